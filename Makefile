@@ -1,0 +1,36 @@
+# Both entry points do all of their own set-up on a fresh Debian 12 machine (as root):
+# system packages, the virtualenv, the package itself and the default image.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+DATA_DIR ?= /var/lib/branchbox
+APT_PACKAGES := debootstrap btrfs-progs
+
+.PHONY: run test system-deps image lint bench
+
+system-deps:
+	@dpkg -s $(APT_PACKAGES) >/dev/null 2>&1 || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PACKAGES))
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+image: system-deps $(VENV)/.installed
+	$(PY) -c "from branchbox.storage.images import ensure_image; ensure_image()"
+
+run: image
+	$(PY) -m branchbox serve --data-dir $(DATA_DIR)
+
+test: image
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(PY) -m pytest -q -p no:cacheprovider
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+bench: image
+	$(PY) -m branchbox bench

@@ -1,0 +1,1 @@
+"""branchbox: fork / explore / commit runtime for AI agents."""

@@ -1,0 +1,157 @@
+"""How a process becomes a sandbox: the exact privileged sequence, one step per call.
+
+Both the first REPL of a family (spawned by ``runtime.family_init``) and every
+fork child (``agent.forking``) go through :func:`enter_sandbox` before any user
+code runs. The caller is uid 0 of the family's user namespace, with its
+capabilities, and its active PID namespace is the family namespace P. The
+order matters:
+
+1. join the sandbox's cgroups (fds opened by the daemon), so everything the
+   sandbox later starts is limited and killable as one;
+2. unshare mount, network, UTS, IPC and PID namespaces (the new PID namespace
+   Q is for the sandbox's commands; the REPL itself stays flat in P);
+3. make every mount private, so nothing propagates back to the parent;
+4. hostname = sandbox id, loopback up;
+5. attach the root tree the daemon built (a detached overlay mount);
+6. fork Q's init, which mounts the new /proc (a proc mount shows the PID
+   namespace of the process that mounts it) — before the old root is
+   detached, because inside a user namespace the kernel refuses a proc mount
+   unless another proc mount is fully visible;
+7. a minimal /dev (tmpfs + binds of the harmless character devices, devpts);
+8. pivot_root into the tree and detach the old root.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import socket
+import struct
+
+from . import sysc
+
+AGENT_DIR = "/.branchbox"  # the agent layer's directory inside every sandbox root
+OLD_ROOT = AGENT_DIR + "/oldroot"  # where pivot_root parks the previous root
+ATTACH = AGENT_DIR + "/root"  # where a fork child attaches its new tree before pivoting
+_DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+_SIOCSIFFLAGS = 0x8914
+_IFF_UP_LOOPBACK_RUNNING = 0x1 | 0x8 | 0x40
+
+
+def _loopback_up() -> None:
+    """Bring ``lo`` up in the fresh network namespace (it starts down)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        ifr = struct.pack("16sH14x", b"lo", _IFF_UP_LOOPBACK_RUNNING)
+        fcntl.ioctl(s.fileno(), _SIOCSIFFLAGS, ifr)
+
+
+def _q_init(root: str, ready_w: int, cmds_cgroup_fds: list[int]) -> None:
+    """PID 1 of the sandbox's command namespace Q: mount /proc, then reap orphans.
+
+    It dies with the REPL (PDEATHSIG), which tears down every command of the
+    sandbox: a sandbox whose REPL is gone keeps nothing running.
+    """
+    try:
+        sysc.prctl(sysc.PR_SET_PDEATHSIG, signal.SIGKILL)
+        sysc.set_process_name("bb-init")
+        for fd in cmds_cgroup_fds:
+            os.write(fd, b"0")
+        sysc.mount("proc", root + "/proc", "proc", sysc.MS_NOSUID | sysc.MS_NODEV | sysc.MS_NOEXEC)
+        os.write(ready_w, b"\0")
+    except BaseException as exc:  # noqa: BLE001 - reported to the REPL, which raises it
+        os.write(ready_w, f"proc mount failed: {exc}".encode())
+        os._exit(1)
+    os.close(ready_w)
+    os.closerange(0, 65536)
+    reap_forever()
+
+
+def close_fds_except(keep: set[int]) -> None:
+    """Close every fd from 3 up except ``keep`` (no /proc needed: it may show another ns)."""
+    low = 3
+    for fd in sorted(k for k in keep if k >= 3):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, 1 << 20)
+
+
+def reap_forever() -> None:
+    """Be a PID namespace's init: reap every orphan, never return, hold no fds."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+    while True:
+        signal.sigwaitinfo({signal.SIGCHLD})
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+
+
+def _mount_dev(root: str) -> None:
+    dev = root + "/dev"
+    sysc.mount("tmpfs", dev, "tmpfs", sysc.MS_NOSUID | sysc.MS_NOEXEC, "mode=755,size=65536k")
+    for name in _DEVICES:
+        target = f"{dev}/{name}"
+        os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o666))
+        # mknod is refused in a user namespace; a bind of the existing node is not.
+        sysc.mount(f"/dev/{name}", target, None, sysc.MS_BIND)
+    os.mkdir(dev + "/pts")
+    sysc.mount(
+        "devpts",
+        dev + "/pts",
+        "devpts",
+        sysc.MS_NOSUID | sysc.MS_NOEXEC,
+        "newinstance,ptmxmode=0666,mode=620",
+    )
+    os.symlink("pts/ptmx", dev + "/ptmx")
+    os.mkdir(dev + "/shm", 0o1777)
+    sysc.mount(
+        "tmpfs", dev + "/shm", "tmpfs", sysc.MS_NOSUID | sysc.MS_NODEV, "mode=1777,size=65536k"
+    )
+    for i, name in enumerate(("stdin", "stdout", "stderr")):
+        os.symlink(f"/proc/self/fd/{i}", f"{dev}/{name}")
+    os.symlink("/proc/self/fd", dev + "/fd")
+
+
+def enter_sandbox(
+    tree_fd: int, attach: str, hostname: str, repl_cgroup_fds: list[int], cmds_cgroup_fds: list[int]
+) -> int:
+    """Turn the calling process into a sandbox's REPL process; returns Q's init pid.
+
+    ``attach`` is an empty directory of the current root where the tree is
+    attached before pivoting. ``tree_fd`` and ``repl_cgroup_fds`` are consumed;
+    ``cmds_cgroup_fds`` stay open: the REPL puts every command it starts there.
+    """
+    for fd in repl_cgroup_fds:  # 1
+        os.write(fd, b"0")
+        os.close(fd)
+    sysc.unshare(
+        sysc.CLONE_NEWNS
+        | sysc.CLONE_NEWNET
+        | sysc.CLONE_NEWUTS  # 2
+        | sysc.CLONE_NEWIPC
+        | sysc.CLONE_NEWPID
+    )
+    sysc.mount(None, "/", None, sysc.MS_REC | sysc.MS_PRIVATE)  # 3
+    socket.sethostname(hostname)  # 4
+    _loopback_up()
+    sysc.move_mount_fd(tree_fd, attach)  # 5
+    os.close(tree_fd)
+    ready_r, ready_w = os.pipe()  # 6
+    init_pid = os.fork()
+    if init_pid == 0:
+        os.close(ready_r)
+        _q_init(attach, ready_w, cmds_cgroup_fds)
+    os.close(ready_w)
+    answer = os.read(ready_r, 4096)
+    os.close(ready_r)
+    if answer != b"\0":
+        raise OSError(answer.decode(errors="replace") or "Q init died before mounting /proc")
+    _mount_dev(attach)  # 7
+    sysc.pivot_root(attach, attach + OLD_ROOT)  # 8
+    os.chdir("/")
+    sysc.umount2(OLD_ROOT, sysc.MNT_DETACH)
+    return init_pid

@@ -1,0 +1,225 @@
+"""The child side of fork: the REPL process forks itself; each child enters its own sandbox.
+
+The daemon first sends one ``fork_slot`` per child (its root tree, control
+socket and cgroup fds, over SCM_RIGHTS), then ``fork``. The REPL:
+
+1. looks at its own fds and thread count through a private, momentary mount
+   of its family's /proc (its regular /proc shows the command namespace Q,
+   where the REPL itself does not appear);
+2. points ``pid_for_children`` back at the family namespace P with
+   ``setns(pidfd(self), CLONE_NEWPID)``, so children are flat in P — a
+   namespace per generation would stop at 32 levels and tie a child's life
+   to its parent's;
+3. ``fork()``s once per slot. Memory is shared copy-on-write by the kernel:
+   nothing is serialized. Each child enters its sandbox (``entry``), restores
+   the working directory, re-opens inherited regular files in its own root at
+   the same offsets (so its writes never land in the parent's files), closes
+   inherited sockets, and serves its own control socket;
+4. restores ``pid_for_children`` to Q and answers with the children's pids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import stat
+from dataclasses import dataclass, field
+
+from . import entry, protocol, sysc
+
+_OPEN_FLAGS_KEPT = ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC | 0o2000000)  # and not O_CLOEXEC
+_O_CLOEXEC = 0o2000000
+
+
+@dataclass
+class _Slot:
+    sandbox_id: str
+    tree: int
+    ctrl: int
+    repl_cgroup: list[int]
+    cmds_cgroup: list[int]
+
+    def fds(self) -> list[int]:
+        return [self.tree, self.ctrl, *self.repl_cgroup, *self.cmds_cgroup]
+
+
+@dataclass
+class _State:
+    qinit_pidfd: int = -1
+    cmds_cgroup: list[int] = field(default_factory=list)
+    slots: list[_Slot] = field(default_factory=list)
+    warning: str | None = None
+
+
+STATE = _State()
+
+
+def boot(ctrl_fd: int, qinit_pid: int, cmds_cgroup: list[int]) -> None:
+    """Entry point of a family's first REPL, right after exec into the image's python3."""
+    STATE.qinit_pidfd = os.pidfd_open(qinit_pid)
+    STATE.cmds_cgroup = list(cmds_cgroup)
+    for fd in (ctrl_fd, *cmds_cgroup):
+        os.set_inheritable(fd, False)
+    from .main import run
+
+    run(ctrl_fd)
+
+
+def join_commands_cgroup() -> None:
+    """Move the calling process (a command about to exec) into the sandbox's cmds cgroup."""
+    for fd in STATE.cmds_cgroup:
+        os.write(fd, b"0")
+
+
+def take_warning() -> str | None:
+    """The fork warning for this REPL's first execution, once."""
+    warning, STATE.warning = STATE.warning, None
+    return warning
+
+
+def handle_fork_slot(agent, req: dict, payload: bytes, fds: list[int]) -> None:
+    ncg = int(req["ncg"])
+    if len(fds) != 2 + 2 * ncg:
+        for fd in fds:
+            os.close(fd)
+        agent.fail(req["rid"], "InvalidRequest", f"fork_slot needs {2 + 2 * ncg} fds")
+        return
+    STATE.slots.append(_Slot(req["id"], fds[0], fds[1], fds[2 : 2 + ncg], fds[2 + ncg :]))
+    agent.done(req["rid"], {"slots": len(STATE.slots)})
+
+
+def _inspect_fds(skip: set[int]) -> tuple[list[tuple[int, str, int, int]], list[int], int]:
+    """(regular files as (fd, path, flags, offset), socket fds, thread count) of this process."""
+    mnt = entry.AGENT_DIR + "/proc"
+    sysc.mount("proc", mnt, "proc", sysc.MS_NOSUID | sysc.MS_NODEV | sysc.MS_NOEXEC)
+    try:
+        base = f"{mnt}/{os.getpid()}"
+        with open(f"{base}/status") as f:
+            match = re.search(r"^Threads:\s+(\d+)", f.read(), re.M)
+        threads = int(match.group(1)) if match else 1
+        files, sockets = [], []
+        for name in os.listdir(f"{base}/fd"):
+            fd = int(name)
+            if fd in skip:
+                continue
+            try:
+                mode = os.fstat(fd).st_mode
+                if stat.S_ISSOCK(mode):
+                    sockets.append(fd)
+                    continue
+                if not stat.S_ISREG(mode):
+                    continue
+                path = os.readlink(f"{base}/fd/{fd}")
+                with open(f"{base}/fdinfo/{fd}") as f:
+                    info = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+            except OSError:
+                continue  # closed meanwhile (e.g. the listdir fd itself)
+            if path.startswith("/") and not path.endswith(" (deleted)"):
+                files.append((fd, path, int(info["flags"].strip(), 8), int(info["pos"].strip())))
+        return files, sockets, threads
+    finally:
+        sysc.umount2(mnt, sysc.MNT_DETACH)
+
+
+def _reopen(files: list[tuple[int, str, int, int]], sockets: list[int]) -> None:
+    """Point inherited fds at this child's own files; sockets become /dev/null."""
+    for fd, path, flags, pos in files:
+        try:
+            new = os.open(path, flags & _OPEN_FLAGS_KEPT)
+            os.lseek(new, pos, os.SEEK_SET)
+        except OSError:
+            new = os.open("/dev/null", os.O_RDONLY)  # never keep writing into the parent's file
+        os.dup2(new, fd, inheritable=not flags & _O_CLOEXEC)
+        os.close(new)
+    for fd in sockets:
+        null = os.open("/dev/null", os.O_RDONLY)
+        os.dup2(null, fd, inheritable=False)
+        os.close(null)
+
+
+def _become_child(
+    agent,
+    slot: _Slot,
+    others: list[_Slot],
+    inherited: list[int],
+    files: list,
+    sockets: list[int],
+    cwd: str,
+    warning: str | None,
+) -> None:
+    try:
+        for other in others:
+            for fd in other.fds():
+                os.close(fd)
+        for fd in inherited:
+            os.close(fd)
+        qinit = entry.enter_sandbox(
+            slot.tree, entry.ATTACH, slot.sandbox_id, slot.repl_cgroup, slot.cmds_cgroup
+        )
+        STATE.qinit_pidfd = os.pidfd_open(qinit)
+        STATE.cmds_cgroup = slot.cmds_cgroup
+        STATE.slots = []
+        STATE.warning = warning
+        os.chdir(cwd)
+        _reopen(files, sockets)
+        ctrl = socket.socket(fileno=slot.ctrl)
+        agent.reset_after_fork(ctrl)
+        protocol.send(ctrl, {"rid": 0, "ev": "done", "result": {"pid": os.getpid()}})
+    except BaseException as exc:  # noqa: BLE001 - the daemon must learn why; then we vanish
+        with contextlib.suppress(OSError):
+            protocol.send(
+                socket.socket(fileno=slot.ctrl),
+                {
+                    "rid": 0,
+                    "ev": "fail",
+                    "error": {
+                        "type": "Internal",
+                        "message": f"fork child set-up: {type(exc).__name__}: {exc}",
+                    },
+                },
+            )
+        os._exit(70)
+
+
+def handle_fork(agent, req: dict, payload: bytes, fds: list[int]) -> None:
+    slots, STATE.slots = STATE.slots, []
+    if not slots:
+        agent.fail(req["rid"], "InvalidRequest", "fork without fork_slot")
+        return
+    skip = {agent.sock.fileno(), STATE.qinit_pidfd, *STATE.cmds_cgroup}
+    for slot in slots:
+        skip.update(slot.fds())
+    files, sockets, threads = _inspect_fds(skip)
+    warning = (
+        (
+            f"the REPL had {threads} threads at fork time; a fork child has only the "
+            "thread that forked, so locks held by the others stay held"
+        )
+        if threads > 1
+        else None
+    )
+    cwd = os.getcwd()
+    family_ns = os.pidfd_open(os.getpid())
+    parent = os.getpid()
+    pids: list[int] = []
+    sysc.setns(family_ns, sysc.CLONE_NEWPID)
+    try:
+        for i, slot in enumerate(slots):
+            pid = os.fork()
+            if pid == 0:
+                inherited = [family_ns, STATE.qinit_pidfd, *STATE.cmds_cgroup]
+                _become_child(
+                    agent, slot, slots[:i] + slots[i + 1 :], inherited, files, sockets, cwd, warning
+                )
+                return  # the child goes back to the request loop, now on its own socket
+            pids.append(pid)
+    finally:
+        if os.getpid() == parent:
+            sysc.setns(STATE.qinit_pidfd, sysc.CLONE_NEWPID)
+            os.close(family_ns)
+            for slot in slots:
+                for fd in slot.fds():
+                    os.close(fd)
+    agent.done(req["rid"], {"pids": pids, "threads": threads})

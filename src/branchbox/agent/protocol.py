@@ -1,0 +1,73 @@
+"""Framing of the control channel between the daemon and a sandbox's agent.
+
+The channel is a unix stream socket (one end held by the daemon, the other by
+the sandbox's REPL process). Every message is one frame::
+
+    !II header_len payload_len | header (UTF-8 JSON object) | payload (raw bytes)
+
+The header carries the meaning; the payload carries file contents without any
+base64 inflation. Requests from the daemon have ``{"op": ..., "rid": n, ...}``;
+the agent answers with any number of events ``{"rid": n, "ev": "<kind>", ...}``
+and exactly one final event, ``"ev": "done"`` (with ``"result"``) or
+``"ev": "fail"`` (with ``"error": {"type", "message"}``).
+
+Standard library only: this module runs inside the sandbox on the image's
+python3 as well as in the daemon.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+
+_HEAD = struct.Struct("!II")
+MAX_HEADER = 64 * 1024 * 1024
+MAX_PAYLOAD = 64 * 1024 * 1024
+CHUNK = 1024 * 1024  # file data travels in frames of at most this many bytes
+
+
+class ChannelClosed(EOFError):
+    """The other end of the control channel went away."""
+
+
+def encode(header: dict, payload: bytes = b"") -> bytes:
+    head = json.dumps(header, separators=(",", ":")).encode()
+    return _HEAD.pack(len(head), len(payload)) + head + payload
+
+
+def decode_header(prefix: bytes) -> tuple[int, int]:
+    hlen, plen = _HEAD.unpack(prefix)
+    if hlen > MAX_HEADER or plen > MAX_PAYLOAD:
+        raise ValueError(f"frame too large: header {hlen}, payload {plen}")
+    return hlen, plen
+
+
+def send(sock: socket.socket, header: dict, payload: bytes = b"", fds: list[int] = ()) -> None:
+    """Send one frame; ``fds`` ride along as SCM_RIGHTS on its first byte."""
+    data = encode(header, payload)
+    if fds:
+        sent = socket.send_fds(sock, [data], list(fds))
+        data = data[sent:]
+    if data:
+        sock.sendall(data)
+
+
+def _recv_exact(sock: socket.socket, n: int, fds: list[int]) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk, got, _flags, _addr = socket.recv_fds(sock, n - len(buf), 16)
+        fds.extend(got)
+        if not chunk:
+            raise ChannelClosed("control channel closed")
+        buf += chunk
+    return bytes(buf)
+
+
+def recv(sock: socket.socket) -> tuple[dict, bytes, list[int]]:
+    """Receive one frame: header, payload and any file descriptors sent with it."""
+    fds: list[int] = []
+    hlen, plen = decode_header(_recv_exact(sock, _HEAD.size, fds))
+    header = json.loads(_recv_exact(sock, hlen, fds))
+    payload = _recv_exact(sock, plen, fds) if plen else b""
+    return header, payload, fds

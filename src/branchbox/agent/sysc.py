@@ -1,0 +1,146 @@
+"""The Linux system calls branchbox needs that Python's ``os`` module lacks.
+
+libc is loaded once with ``use_errno=True``; every failure is raised as
+``OSError(errno, ...)`` so callers get ``PermissionError``,
+``FileNotFoundError`` and friends. Syscall numbers are for x86-64 and live
+here only. Standard library only: the same module runs in the daemon and,
+inside a sandbox, on the image's python3.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+# x86-64 syscall numbers (arch/x86/entry/syscalls/syscall_64.tbl)
+_SYS_PIVOT_ROOT = 155
+_SYS_OPEN_TREE = 428
+_SYS_MOVE_MOUNT = 429
+_SYS_FSOPEN = 430
+_SYS_FSCONFIG = 431
+_SYS_FSMOUNT = 432
+_SYS_MOUNT_SETATTR = 442
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+
+MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_NOEXEC = 0x8
+MS_REMOUNT = 0x20
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_PRIVATE = 0x40000
+MNT_DETACH = 0x2
+
+OPEN_TREE_CLONE = 0x1
+AT_RECURSIVE = 0x8000
+AT_EMPTY_PATH = 0x1000
+MOVE_MOUNT_F_EMPTY_PATH = 0x4
+
+FSCONFIG_SET_FLAG = 0
+FSCONFIG_SET_STRING = 1
+FSCONFIG_CMD_CREATE = 6
+FSMOUNT_CLOEXEC = 0x1
+
+PR_SET_NO_NEW_PRIVS = 38
+PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
+
+
+def _check(ret: int, what: str, path: str | None = None) -> int:
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}", path)
+    return ret
+
+
+def _b(s: str | None) -> bytes | None:
+    return None if s is None else os.fsencode(s)
+
+
+def unshare(flags: int) -> None:
+    _check(_libc.unshare(ctypes.c_int(flags)), "unshare")
+
+
+def setns(fd: int, nstype: int) -> None:
+    """Join the namespace behind ``fd`` (a namespace file or a pidfd)."""
+    _check(_libc.setns(ctypes.c_int(fd), ctypes.c_int(nstype)), "setns")
+
+
+def mount(
+    source: str | None, target: str, fstype: str | None, flags: int = 0, data: str | None = None
+) -> None:
+    ret = _libc.mount(_b(source), _b(target), _b(fstype), ctypes.c_ulong(flags), _b(data))
+    _check(ret, f"mount {fstype or source or ''} on {target}", target)
+
+
+def umount2(target: str, flags: int = 0) -> None:
+    _check(_libc.umount2(_b(target), ctypes.c_int(flags)), f"umount {target}", target)
+
+
+def pivot_root(new_root: str, put_old: str) -> None:
+    _check(_libc.syscall(_SYS_PIVOT_ROOT, _b(new_root), _b(put_old)), "pivot_root", new_root)
+
+
+def open_tree(path: str, flags: int, dirfd: int = -100) -> int:
+    """A detached copy of the mount at ``path`` (with OPEN_TREE_CLONE)."""
+    ret = _libc.syscall(_SYS_OPEN_TREE, ctypes.c_int(dirfd), _b(path), ctypes.c_uint(flags))
+    return _check(ret, "open_tree", path)
+
+
+def move_mount_fd(tree_fd: int, target: str) -> None:
+    """Attach the detached mount ``tree_fd`` at ``target``."""
+    ret = _libc.syscall(
+        _SYS_MOVE_MOUNT,
+        ctypes.c_int(tree_fd),
+        b"",
+        ctypes.c_int(-100),
+        _b(target),
+        ctypes.c_uint(MOVE_MOUNT_F_EMPTY_PATH),
+    )
+    _check(ret, "move_mount", target)
+
+
+def fsopen(fstype: str) -> int:
+    return _check(_libc.syscall(_SYS_FSOPEN, _b(fstype), ctypes.c_uint(0x1)), f"fsopen {fstype}")
+
+
+def fsconfig(fs_fd: int, cmd: int, key: str | None = None, value: str | None = None) -> None:
+    ret = _libc.syscall(
+        _SYS_FSCONFIG, ctypes.c_int(fs_fd), ctypes.c_uint(cmd), _b(key), _b(value), ctypes.c_int(0)
+    )
+    _check(ret, f"fsconfig {key}={value}")
+
+
+def fsmount(fs_fd: int, attr_flags: int = 0) -> int:
+    """Turn a configured filesystem context into a detached mount fd."""
+    ret = _libc.syscall(
+        _SYS_FSMOUNT, ctypes.c_int(fs_fd), ctypes.c_uint(FSMOUNT_CLOEXEC), ctypes.c_uint(attr_flags)
+    )
+    return _check(ret, "fsmount")
+
+
+def prctl(option: int, arg2: int = 0) -> None:
+    ret = _libc.prctl(
+        ctypes.c_int(option),
+        ctypes.c_ulong(arg2),
+        ctypes.c_ulong(0),
+        ctypes.c_ulong(0),
+        ctypes.c_ulong(0),
+    )
+    _check(ret, "prctl")
+
+
+def set_process_name(name: str) -> None:
+    """Name shown by ps/top (comm), so host operators can tell the parts apart."""
+    buf = ctypes.create_string_buffer(name.encode()[:15])
+    _libc.prctl(ctypes.c_int(PR_SET_NAME), buf, 0, 0, 0)

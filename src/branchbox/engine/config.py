@@ -1,0 +1,39 @@
+"""Engine configuration: one object, filled from arguments, then environment, then defaults."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_DATA_DIR = Path("/var/lib/branchbox")
+DEFAULT_IMAGE_CACHE = Path("/var/cache/branchbox/images")
+
+
+def _env_path(name: str, default: Path) -> Path:
+    value = os.environ.get(name)
+    return Path(value) if value else default
+
+
+@dataclass
+class EngineConfig:
+    data_dir: Path = field(
+        default_factory=lambda: _env_path("BRANCHBOX_DATA_DIR", DEFAULT_DATA_DIR)
+    )
+    storage: str = field(default_factory=lambda: os.environ.get("BRANCHBOX_STORAGE", "auto"))
+    image_cache: Path = field(
+        default_factory=lambda: _env_path("BRANCHBOX_IMAGE_CACHE", DEFAULT_IMAGE_CACHE)
+    )
+    max_fork: int = 32
+    memory_mb: int = 4096
+    pids_max: int = 1024
+    busy_wait: float = 30.0  # how long a fork waits for a busy REPL before 409
+    spawn_timeout: float = 60.0
+
+    @property
+    def cgroup_group(self) -> str:
+        """Cgroup directory of this daemon: distinct per data directory, so two daemons
+        (say, a test run beside `make run`) never clean up each other's sandboxes."""
+        digest = hashlib.sha256(str(self.data_dir.resolve()).encode()).hexdigest()[:10]
+        return f"d-{digest}"

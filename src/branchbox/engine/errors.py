@@ -1,0 +1,83 @@
+"""Engine errors: each knows its HTTP status and the SDK exception it becomes.
+
+::
+
+    EngineError (500)
+    ├── InvalidRequest (400)
+    ├── SandboxNotFound (404)
+    ├── Conflict (409)            busy REPL, stale merge/commit
+    │   └── StaleBranch (409)
+    ├── SandboxTimeout (408)      a run or command hit its timeout
+    ├── ReplGone (410)            the sandbox's REPL process died
+    └── PayloadTooLarge (413)
+
+``kind`` is the name the SDK maps back to its own exception class.
+"""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    status = 500
+    kind = "SandboxError"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidRequest(EngineError):
+    status = 400
+    kind = "InvalidRequest"
+
+
+class SandboxNotFound(EngineError):
+    status = 404
+    kind = "SandboxNotFound"
+
+    def __init__(self, message: str = "sandbox not found") -> None:
+        super().__init__(message)
+
+
+class Conflict(EngineError):
+    status = 409
+    kind = "Conflict"
+
+
+class StaleBranch(Conflict):
+    kind = "StaleBranchError"
+
+
+class SandboxTimeout(EngineError):
+    status = 408
+    kind = "SandboxTimeout"
+
+
+class ReplGone(EngineError):
+    status = 410
+    kind = "ReplGone"
+
+
+class PayloadTooLarge(EngineError):
+    status = 413
+    kind = "PayloadTooLarge"
+
+
+class CommandNotFound(EngineError):
+    status = 400
+    kind = "CommandNotFound"
+
+
+class FileNotFound(EngineError):
+    status = 404
+    kind = "FileNotFound"
+
+
+# What an agent "fail" type becomes in the engine.
+AGENT_ERRORS: dict[str, type[EngineError]] = {
+    "InvalidRequest": InvalidRequest,
+    "IsADirectory": InvalidRequest,
+    "NotFound": FileNotFound,
+    "CommandNotFound": CommandNotFound,
+    "Timeout": SandboxTimeout,
+}

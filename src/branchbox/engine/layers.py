@@ -1,0 +1,86 @@
+"""Layer bookkeeping: which volumes a sandbox's root is stacked from, and when to free them.
+
+A sandbox body (an *instance*) owns one writable volume (``upper/`` +
+``work/``) and shares frozen layers with its relatives. A frozen layer is a
+read-only snapshot of a parent's writable volume taken at fork time; every
+instance stacked on it holds a reference, and the last one to go deletes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from branchbox.runtime import rootfs
+
+
+@dataclass(eq=False)
+class FrozenLayer:
+    path: Path  # the snapshot volume; its upper/ is the overlay lower dir
+    refs: int = 0
+
+    @property
+    def lowerdir(self) -> Path:
+        return self.path / "upper"
+
+
+@dataclass
+class LayerStack:
+    """The layers of one instance: its writable volume, frozen layers (top first), base."""
+
+    volume: Path
+    frozen: list[FrozenLayer] = field(default_factory=list)
+    base: list[Path] = field(default_factory=list)  # agent layer over the image
+
+    def lowers(self) -> list[Path]:
+        return [layer.lowerdir for layer in self.frozen] + self.base
+
+    def tree(self) -> int:
+        """A detached overlay mount of this stack (the sandbox's root)."""
+        return rootfs.overlay_tree(self.volume / "upper", self.volume / "work", self.lowers())
+
+
+class Layers:
+    """Creates, snapshots and frees volumes through one snapshot backend."""
+
+    def __init__(self, backend, root: Path) -> None:
+        self.backend = backend
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def _new_path(self, prefix: str) -> Path:
+        return self.root / f"{prefix}-{secrets.token_hex(8)}"
+
+    def new_stack(self, frozen: list[FrozenLayer], base: list[Path]) -> LayerStack:
+        volume = self._new_path("w")
+        self.backend.create_volume(volume)
+        try:
+            rootfs.prepare_writable(volume)
+        except BaseException:
+            self.backend.delete(volume)
+            raise
+        for layer in frozen:
+            layer.refs += 1
+        return LayerStack(volume, list(frozen), list(base))
+
+    def freeze(self, stack: LayerStack) -> FrozenLayer:
+        """Capture ``stack``'s writable volume as a new frozen layer (O(1) on btrfs)."""
+        path = self._new_path("f")
+        self.backend.snapshot(stack.volume, path, readonly=True)
+        return FrozenLayer(path)
+
+    def release(self, stack: LayerStack) -> None:
+        """Delete the writable volume and drop references to frozen layers."""
+        with contextlib.suppress(FileNotFoundError):
+            self.backend.delete(stack.volume)
+        for layer in stack.frozen:
+            self.drop(layer)
+        stack.frozen = []
+
+    def drop(self, layer: FrozenLayer) -> None:
+        layer.refs -= 1
+        if layer.refs <= 0:
+            with contextlib.suppress(FileNotFoundError):
+                self.backend.delete(layer.path)

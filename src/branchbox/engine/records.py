@@ -1,0 +1,82 @@
+"""Sandbox metadata in SQLite, in the data directory.
+
+The database outlives the daemon: after a crash or restart the new daemon
+reads which sandboxes were live, releases their cgroups and layers (their
+processes died with the old daemon) and marks them closed, so nothing leaks.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sandboxes (
+    id TEXT PRIMARY KEY,
+    parent_id TEXT,
+    family TEXT NOT NULL,
+    instance TEXT NOT NULL,
+    state TEXT NOT NULL,
+    image TEXT NOT NULL,
+    created REAL NOT NULL,
+    closed REAL,
+    meta TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
+"""
+
+
+@dataclass
+class SandboxRecord:
+    id: str
+    family: str
+    instance: str
+    image: str
+    parent_id: str | None = None
+    state: str = "ready"  # ready | gone (REPL died) | closed
+    created: float = field(default_factory=time.time)
+    closed: float | None = None
+    meta: dict = field(default_factory=dict)
+
+
+class Records:
+    def __init__(self, path: Path) -> None:
+        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.executescript(_SCHEMA)
+
+    def put(self, rec: SandboxRecord) -> None:
+        row = asdict(rec)
+        row["meta"] = json.dumps(rec.meta)
+        self.db.execute(
+            "INSERT OR REPLACE INTO sandboxes (id, parent_id, family, instance, state, image, "
+            "created, closed, meta) VALUES (:id, :parent_id, :family, :instance, :state, :image, "
+            ":created, :closed, :meta)",
+            row,
+        )
+
+    def put_many(self, recs: list[SandboxRecord]) -> None:
+        with self.db:
+            self.db.execute("BEGIN")
+            for rec in recs:
+                self.put(rec)
+
+    def live(self) -> list[SandboxRecord]:
+        rows = self.db.execute(
+            "SELECT id, family, instance, image, parent_id, state, created, closed, meta "
+            "FROM sandboxes WHERE state != 'closed'"
+        ).fetchall()
+        return [SandboxRecord(*row[:8], meta=json.loads(row[8])) for row in rows]
+
+    def mark_closed(self, ids: list[str]) -> None:
+        now = time.time()
+        self.db.executemany(
+            "UPDATE sandboxes SET state='closed', closed=? WHERE id=?", [(now, i) for i in ids]
+        )
+
+    def close(self) -> None:
+        self.db.close()

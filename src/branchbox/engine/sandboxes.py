@@ -1,0 +1,450 @@
+"""The engine: live sandboxes, their families, and create / call / fork / merge / close.
+
+Everything here runs on the daemon's event loop. Each sandbox is a *record*
+(its public identity) bound to a *body* (the processes, cgroup and layers
+that currently serve it); merge_into re-binds a parent's record to the
+winner's body, which is why the two are kept apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import secrets
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from branchbox.agent.protocol import ChannelClosed
+from branchbox.engine import errors
+from branchbox.engine.config import EngineConfig
+from branchbox.engine.layers import FrozenLayer, Layers, LayerStack
+from branchbox.engine.records import Records, SandboxRecord
+from branchbox.runtime import rootfs
+from branchbox.runtime.cgroups import Limits, SandboxCgroup
+from branchbox.runtime.channel import AgentChannel, AgentError
+from branchbox.runtime.family import Family, spawn_family
+from branchbox.storage.backend import choose_backend
+from branchbox.storage.images import ImageNotFound, ensure_image
+
+log = logging.getLogger("branchbox.engine")
+
+ID_RE = re.compile(r"^sbx_[0-9a-f]{32}$")
+DEFAULT_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/root",
+    "LANG": "C.UTF-8",
+    "TERM": "xterm",
+    "MPLBACKEND": "Agg",
+}
+# Requests that never touch the REPL's interpreter state, so they skip its lock.
+_LOCK_FREE_OPS = {"ping", "wait", "kill", "ps"}
+
+
+def new_id() -> str:
+    return "sbx_" + secrets.token_hex(16)
+
+
+@dataclass(eq=False)
+class FamilyHandle:
+    family: Family
+    members: set[str] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class Body:
+    """What serves a sandbox right now: layers, cgroup, REPL channel."""
+
+    key: str
+    layers: LayerStack
+    cgroup: SandboxCgroup
+    channel: AgentChannel | None = None
+
+
+@dataclass(eq=False)
+class Live:
+    record: SandboxRecord
+    body: Body
+    family: FamilyHandle
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    generation: int = 0  # bumped by every merge into this sandbox
+    forked_at: int | None = None  # the parent's generation when this one was forked
+    timer: asyncio.TimerHandle | None = None
+    watcher: asyncio.Task | None = None
+
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.live: dict[str, Live] = {}
+        self.store = None
+        self.layers: Layers | None = None
+        self.records: Records | None = None
+        self._base_cache: dict[str, list[Path]] = {}
+
+    # ----------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        cfg = self.config
+        for sub in ("run/attach", "logs"):
+            (cfg.data_dir / sub).mkdir(parents=True, exist_ok=True)
+        self.records = Records(cfg.data_dir / "sandboxes.db")
+        self._reap_leftovers()
+        self.store = choose_backend(cfg.data_dir, cfg.storage)
+        self.layers = Layers(self.store.backend, self.store.root)
+        self._clear_volumes()
+        self.agent_layer = rootfs.prepare_agent_layer(cfg.data_dir / "agent-layer")
+        log.info("storage: %s backend at %s", self.store.backend.name, self.store.root)
+
+    def _reap_leftovers(self) -> None:
+        """Whatever an earlier daemon of this data directory left: kill, remove, mark closed."""
+        for cg in SandboxCgroup.leftovers(self.config.cgroup_group):
+            cg.remove()
+        stale = [rec.id for rec in self.records.live()]
+        if stale:
+            log.warning("closing %d sandboxes left by an earlier daemon", len(stale))
+            self.records.mark_closed(stale)
+
+    def _clear_volumes(self) -> None:
+        for path in sorted(self.layers.root.iterdir()):
+            self.layers.backend.delete(path)
+
+    async def stop(self) -> None:
+        for sid in list(self.live):
+            with contextlib.suppress(errors.EngineError):
+                await self.close(sid)
+        SandboxCgroup.remove_group(self.config.cgroup_group)
+        if self.store is not None:
+            self.store.close()
+        if self.records is not None:
+            self.records.close()
+
+    # ------------------------------------------------------------------- lookup
+    def get(self, sandbox_id: str) -> Live:
+        sb = self.live.get(sandbox_id)
+        if sb is None:
+            raise errors.SandboxNotFound()
+        return sb
+
+    def list(self) -> list[Live]:
+        return list(self.live.values())
+
+    def info(self, sandbox_id: str) -> dict:
+        sb = self.get(sandbox_id)
+        rec = sb.record
+        usage: dict = {}
+        with contextlib.suppress(OSError, ValueError):
+            usage = {
+                "memory_bytes": sb.body.cgroup.memory_bytes(),
+                "pids": sb.body.cgroup.pids_current(),
+            }
+        children = [c.id for c in self.live.values() if c.record.parent_id == rec.id]
+        return {
+            "id": rec.id,
+            "state": rec.state,
+            "parent_id": rec.parent_id,
+            "children": children,
+            "family": rec.family,
+            "image": rec.image,
+            "created": rec.created,
+            "hostname": rec.id,
+            "address": "127.0.0.1 (loopback only)",
+            "layers": len(sb.body.layers.frozen),
+            "resources": usage,
+        }
+
+    # ------------------------------------------------------------------- create
+    async def _base_layers(self, image: str) -> list[Path]:
+        if image not in self._base_cache:
+            try:
+                rootfs_dir = await asyncio.to_thread(
+                    ensure_image, image, self.config.image_cache, True
+                )
+            except ImageNotFound as exc:
+                raise errors.InvalidRequest(str(exc)) from exc
+            self._base_cache[image] = [self.agent_layer, rootfs_dir]
+        return self._base_cache[image]
+
+    def _limits(self, memory_mb: int | None) -> Limits:
+        mb = memory_mb or self.config.memory_mb
+        return Limits(memory_bytes=mb * 1024 * 1024, pids=self.config.pids_max)
+
+    async def create(
+        self,
+        *,
+        image: str = "default",
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float | None = None,
+        memory_mb: int | None = None,
+    ) -> Live:
+        _check_env(env)
+        cwd = cwd or "/root"
+        if not cwd.startswith("/") or ".." in cwd.split("/") or "\0" in cwd:
+            raise errors.InvalidRequest(f"cwd must be an absolute path without '..': {cwd!r}")
+        if memory_mb is not None and not 16 <= memory_mb <= 1 << 20:
+            raise errors.InvalidRequest("memory_mb must be between 16 and 1048576")
+        if timeout is not None and not 0 < timeout <= 7 * 86400:
+            raise errors.InvalidRequest("timeout must be between 0 and 604800 seconds")
+        base = await self._base_layers(image)
+        sid = new_id()
+        key = secrets.token_hex(8)
+        stack = self.layers.new_stack([], base)
+        cgroup = None
+        try:
+            cgroup = SandboxCgroup.create(self.config.cgroup_group, key, self._limits(memory_mb))
+            full_env = {**DEFAULT_ENV, "HOSTNAME": sid, **(env or {})}
+            family, channel = await spawn_family(
+                tree_fd=stack.tree(),
+                repl_cgroup_fds=cgroup.join_fds("repl"),
+                cmds_cgroup_fds=cgroup.join_fds("cmds"),
+                hostname=sid,
+                env=full_env,
+                cwd=cwd,
+                attach=self.config.data_dir / "run" / "attach",
+                log_path=self.config.data_dir / "logs" / f"{sid}.log",
+                timeout=self.config.spawn_timeout,
+            )
+        except BaseException:
+            if cgroup is not None:
+                cgroup.remove()
+            self.layers.release(stack)
+            raise
+        body = Body(key, stack, cgroup, channel)
+        record = SandboxRecord(
+            id=sid,
+            family=sid,
+            instance=key,
+            image=image,
+            meta={"cwd": cwd, "memory_mb": memory_mb, "timeout": timeout},
+        )
+        sb = Live(record, body, FamilyHandle(family, {sid}))
+        self._adopt(sb, timeout)
+        return sb
+
+    def _adopt(self, sb: Live, timeout: float | None) -> None:
+        self.live[sb.id] = sb
+        self.records.put(sb.record)
+        sb.watcher = asyncio.get_running_loop().create_task(self._watch(sb, sb.body))
+        if timeout:
+            sb.timer = asyncio.get_running_loop().call_later(
+                timeout, lambda: asyncio.ensure_future(self._expire(sb.id))
+            )
+
+    async def _expire(self, sandbox_id: str) -> None:
+        with contextlib.suppress(errors.EngineError):
+            await self.close(sandbox_id)
+
+    async def _watch(self, sb: Live, body: Body) -> None:
+        """Mark the sandbox gone when its REPL's channel closes (the REPL died)."""
+        await body.channel.closed.wait()
+        if sb.body is body and self.live.get(sb.id) is sb:
+            sb.record.state = "gone"
+            self.records.put(sb.record)
+
+    # -------------------------------------------------------------------- close
+    async def close(self, sandbox_id: str) -> None:
+        sb = self.live.pop(sandbox_id, None)
+        if sb is None:
+            raise errors.SandboxNotFound()
+        if sb.timer:
+            sb.timer.cancel()
+        await self._destroy_body(sb.body)
+        sb.record.state = "closed"
+        self.records.mark_closed([sb.id])
+        sb.family.members.discard(sb.id)
+        if not sb.family.members:
+            await sb.family.family.kill()
+
+    async def _destroy_body(self, body: Body) -> None:
+        await asyncio.to_thread(body.cgroup.remove)
+        if body.channel is not None:
+            await body.channel.close()
+        self.layers.release(body.layers)
+
+    # --------------------------------------------------------------------- calls
+    async def _acquire(self, sb: Live, wait: float | None) -> None:
+        try:
+            await asyncio.wait_for(sb.lock.acquire(), wait)
+        except TimeoutError:
+            raise errors.Conflict(
+                f"sandbox {sb.id} is busy: its REPL is still running a "
+                f"call after {wait:.0f} s; retry later"
+            ) from None
+
+    def _check_alive(self, sb: Live) -> AgentChannel:
+        if sb.record.state == "gone" or sb.body.channel.closed.is_set():
+            raise errors.ReplGone(
+                f"the REPL of sandbox {sb.id} is gone (it exited or was killed); close the sandbox"
+            )
+        return sb.body.channel
+
+    async def stream(
+        self, sandbox_id: str, op: str, args: dict | None = None, payload: bytes = b""
+    ) -> AsyncIterator[tuple[dict, bytes]]:
+        """Events of one agent request, translated into engine errors."""
+        sb = self.get(sandbox_id)
+        locked = op not in _LOCK_FREE_OPS
+        if locked:
+            await self._acquire(sb, None)
+        try:
+            channel = self._check_alive(sb)
+            async for item in channel.stream(op, args, payload):
+                yield item
+        except AgentError as exc:
+            raise errors.AGENT_ERRORS.get(exc.kind, errors.EngineError)(exc.message) from None
+        except ChannelClosed:
+            raise errors.ReplGone(
+                f"the REPL of sandbox {sandbox_id} died during {op!r}; close the sandbox"
+            ) from None
+        finally:
+            if locked:
+                sb.lock.release()
+
+    async def call(
+        self, sandbox_id: str, op: str, args: dict | None = None, payload: bytes = b""
+    ) -> dict:
+        result: dict = {}
+        async for header, _ in self.stream(sandbox_id, op, args, payload):
+            if header.get("ev") == "done":
+                result = header.get("result") or {}
+        return result
+
+    async def write_file(
+        self, sandbox_id: str, path: str, chunks: AsyncIterator[bytes], mode: int | None = None
+    ) -> dict:
+        """Stream an upload into the sandbox frame by frame (never whole in memory)."""
+        sb = self.get(sandbox_id)
+        await self._acquire(sb, None)
+        try:
+            channel = self._check_alive(sb)
+            rid, queue = channel.open_request()
+            header = {"op": "write", "rid": rid, "path": path, "more": True}
+            if mode is not None:
+                header["mode"] = mode
+            pending = b""
+            async for chunk in chunks:
+                pending += chunk
+                while len(pending) >= 1 << 20:
+                    await channel.send(header, pending[: 1 << 20])
+                    pending = pending[1 << 20 :]
+                    if not queue.empty():  # an early failure (bad path): stop sending
+                        break
+            await channel.send({**header, "more": False}, pending)
+            result: dict = {}
+            async for ev, _ in channel.events(rid, queue):
+                if ev.get("ev") == "done":
+                    result = ev.get("result") or {}
+            return result
+        except AgentError as exc:
+            raise errors.AGENT_ERRORS.get(exc.kind, errors.EngineError)(exc.message) from None
+        except ChannelClosed:
+            raise errors.ReplGone(f"the REPL of sandbox {sandbox_id} died during a write") from None
+        finally:
+            sb.lock.release()
+
+    # ---------------------------------------------------------------------- fork
+    async def fork(self, sandbox_id: str, n: int) -> list[Live]:
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.config.max_fork:
+            raise errors.InvalidRequest(f"n must be between 1 and {self.config.max_fork}")
+        parent = self.get(sandbox_id)
+        await self._acquire(parent, self.config.busy_wait)
+        try:
+            channel = self._check_alive(parent)
+            return await self._fork_locked(parent, channel, n)
+        finally:
+            parent.lock.release()
+
+    async def _fork_locked(self, parent: Live, channel: AgentChannel, n: int) -> list[Live]:
+        pbody = parent.body
+        pbody.cgroup.freeze("cmds")
+        made: list[tuple[str, Body]] = []
+        frozen: FrozenLayer | None = None
+        try:
+            frozen = self.layers.freeze(pbody.layers)
+            lowers = [frozen, *pbody.layers.frozen]
+            limits = self._limits(parent.record.meta.get("memory_mb"))
+            for _ in range(n):
+                sid, key = new_id(), secrets.token_hex(8)
+                stack = self.layers.new_stack(lowers, pbody.layers.base)
+                try:
+                    cgroup = SandboxCgroup.create(self.config.cgroup_group, key, limits)
+                except BaseException:
+                    self.layers.release(stack)
+                    raise
+                made.append((sid, Body(key, stack, cgroup)))
+            for sid, body in made:
+                ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                body.channel = AgentChannel(ours)
+                repl_fds, cmds_fds = body.cgroup.join_fds("repl"), body.cgroup.join_fds("cmds")
+                fds = [body.layers.tree(), theirs.fileno(), *repl_fds, *cmds_fds]
+                try:
+                    await channel.call("fork_slot", {"id": sid, "ncg": len(repl_fds)}, fds=fds)
+                finally:
+                    theirs.close()
+                    for fd in fds[:1] + fds[2:]:
+                        os.close(fd)
+            waits = []
+            for _, body in made:
+                # A fork child announces itself (or its set-up failure) as request 0.
+                waits.append(body.channel.events(0, body.channel.expect(0)))
+            await channel.call("fork")
+            await asyncio.gather(*(_drain(w) for w in waits))
+        except BaseException as exc:
+            for _, body in made:
+                await self._destroy_body(body)
+            if isinstance(exc, AgentError):
+                raise errors.EngineError(f"fork failed: {exc.message}") from None
+            if isinstance(exc, ChannelClosed):
+                raise errors.EngineError(
+                    "fork failed: a child died while entering its sandbox"
+                ) from None
+            raise
+        finally:
+            if frozen is not None and frozen.refs == 0:
+                self.layers.drop(frozen)
+            pbody.cgroup.freeze("cmds", frozen=False)
+        children = []
+        for sid, body in made:
+            record = SandboxRecord(
+                id=sid,
+                family=parent.record.family,
+                instance=body.key,
+                image=parent.record.image,
+                parent_id=parent.id,
+                meta={**parent.record.meta, "timeout": None},
+            )
+            child = Live(record, body, parent.family, forked_at=parent.generation)
+            parent.family.members.add(sid)
+            self._adopt(child, None)
+            children.append(child)
+        return children
+
+
+async def _drain(events: AsyncIterator) -> None:
+    async for _ in events:
+        pass
+
+
+def _check_env(env: dict | None) -> None:
+    if env is None:
+        return
+    if not isinstance(env, dict):
+        raise errors.InvalidRequest("env must be an object of strings")
+    for key, value in env.items():
+        if (
+            not isinstance(key, str)
+            or not isinstance(value, str)
+            or not key
+            or "=" in key
+            or "\0" in key
+            or "\0" in value
+        ):
+            raise errors.InvalidRequest(f"invalid environment variable {key!r}")

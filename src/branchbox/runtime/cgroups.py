@@ -1,0 +1,213 @@
+"""One cgroup per sandbox, on cgroup v1 (this machine) or v2 (most current hosts).
+
+Layout, the same on both versions::
+
+    branchbox/<sandbox id>/         limits: memory, pids, cpu
+    branchbox/<sandbox id>/repl     the REPL process
+    branchbox/<sandbox id>/cmds     Q's init and every command the sandbox runs
+
+Two leaves because fork freezes the sandbox's background commands while the
+REPL (which is serving the fork) keeps running, and cgroup v2 allows
+processes only in leaves. Processes join by writing "0" to a ``cgroup.procs``
+fd that the daemon opened: the kernel checks the opener's credentials, so a
+process inside the user namespace can place itself, and only where the daemon
+allowed it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+V1_CONTROLLERS = ("memory", "pids", "cpu", "freezer")
+LEAVES = ("repl", "cmds")
+
+
+class CgroupUnavailable(RuntimeError):
+    """The host has neither a usable cgroup v2 nor the v1 controllers we need."""
+
+
+def detect_version(root: Path = CGROUP_ROOT) -> int:
+    """2 if the unified hierarchy has memory and pids, else 1 if v1 has them all."""
+    controllers = root / "cgroup.controllers"
+    if controllers.exists():
+        have = set(controllers.read_text().split())
+        if {"memory", "pids"} <= have:
+            return 2
+    missing = [c for c in V1_CONTROLLERS if not (root / c / "cgroup.procs").exists()]
+    if not missing:
+        return 1
+    raise CgroupUnavailable(
+        f"no usable cgroups under {root}: cgroup v2 lacks memory/pids controllers and "
+        f"cgroup v1 lacks {', '.join(missing)}"
+    )
+
+
+@dataclass
+class Limits:
+    memory_bytes: int
+    pids: int
+    cpu_weight: int = 100  # v2 scale 1..10000; mapped onto v1 shares
+
+
+@dataclass
+class SandboxCgroup:
+    """The cgroup directories of one sandbox (one per v1 hierarchy, or one on v2)."""
+
+    version: int
+    dirs: list[Path]
+
+    @staticmethod
+    def _paths(group: str, name: str, root: Path) -> tuple[int, list[Path]]:
+        version = detect_version(root)
+        if version == 2:
+            return version, [root / "branchbox" / group / name]
+        return version, [root / c / "branchbox" / group / name for c in V1_CONTROLLERS]
+
+    @classmethod
+    def create(
+        cls, group: str, name: str, limits: Limits, root: Path = CGROUP_ROOT
+    ) -> SandboxCgroup:
+        """Make ``branchbox/<group>/<name>`` with its two leaves and apply ``limits``."""
+        version, dirs = cls._paths(group, name, root)
+        if version == 2:
+            # v2 hands controllers down one level at a time, from the root to us.
+            level = root
+            for part in ("branchbox", group, name):
+                subtree = level / "cgroup.subtree_control"
+                if "memory" not in subtree.read_text():
+                    subtree.write_text("+memory +pids +cpu")
+                level = level / part
+                level.mkdir(exist_ok=level != dirs[0])
+        else:
+            for d in dirs:
+                d.mkdir(parents=True)
+        for d in dirs:
+            for leaf in LEAVES:
+                (d / leaf).mkdir()
+        cg = cls(version, dirs)
+        cg._apply(limits)
+        return cg
+
+    @classmethod
+    def leftovers(cls, group: str, root: Path = CGROUP_ROOT) -> list[SandboxCgroup]:
+        """Cgroups an earlier daemon of ``group`` left behind (to kill and remove)."""
+        version, dirs = cls._paths(group, "x", root)
+        names = {
+            p.name for d in dirs if d.parent.exists() for p in d.parent.iterdir() if p.is_dir()
+        }
+        found = []
+        for name in sorted(names):
+            found.append(cls(version, [d for d in cls._paths(group, name, root)[1] if d.exists()]))
+        return found
+
+    @staticmethod
+    def remove_group(group: str, root: Path = CGROUP_ROOT) -> None:
+        """Remove the (empty) group directories once the daemon stops."""
+        for d in SandboxCgroup._paths(group, "x", root)[1]:
+            with contextlib.suppress(OSError):
+                d.parent.rmdir()
+
+    def _file(self, controller: str, name: str) -> Path:
+        if self.version == 2:
+            return self.dirs[0] / name
+        return self.dirs[V1_CONTROLLERS.index(controller)] / name
+
+    def _apply(self, limits: Limits) -> None:
+        if self.version == 2:
+            self._file("memory", "memory.max").write_text(str(limits.memory_bytes))
+            self._file("memory", "memory.swap.max").write_text("0")
+            self._file("pids", "pids.max").write_text(str(limits.pids))
+            self._file("cpu", "cpu.weight").write_text(str(limits.cpu_weight))
+        else:
+            self._file("memory", "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
+            with contextlib.suppress(OSError):  # absent when the host has no swap accounting
+                self._file("memory", "memory.memsw.limit_in_bytes").write_text(
+                    str(limits.memory_bytes)
+                )
+            self._file("pids", "pids.max").write_text(str(limits.pids))
+            self._file("cpu", "cpu.shares").write_text(str(max(2, limits.cpu_weight * 1024 // 100)))
+
+    def join_fds(self, leaf: str) -> list[int]:
+        """Write-only fds of ``leaf``'s cgroup.procs; writing "0" moves the writer in."""
+        return [os.open(d / leaf / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC) for d in self.dirs]
+
+    def pids(self) -> list[int]:
+        found: set[int] = set()
+        for d in self.dirs:
+            for leaf in LEAVES:
+                with contextlib.suppress(FileNotFoundError):
+                    found.update(int(p) for p in (d / leaf / "cgroup.procs").read_text().split())
+        return sorted(found)
+
+    def freeze(self, leaf: str | None = None, frozen: bool = True) -> None:
+        """Freeze (or thaw) the whole sandbox or one leaf; returns once it took effect."""
+        if self.version == 2:
+            target = self.dirs[0] / leaf if leaf else self.dirs[0]
+            (target / "cgroup.freeze").write_text("1" if frozen else "0")
+            want = "frozen 1" if frozen else "frozen 0"
+            events = target / "cgroup.events"
+            deadline = time.monotonic() + 2
+            while want not in events.read_text() and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            return
+        base = self._file("freezer", "")
+        target = base / leaf if leaf else base
+        state = target / "freezer.state"
+        state.write_text("FROZEN" if frozen else "THAWED")
+        deadline = time.monotonic() + 2
+        while frozen and state.read_text().strip() != "FROZEN" and time.monotonic() < deadline:
+            time.sleep(0.0005)
+
+    def memory_bytes(self) -> int:
+        name = "memory.current" if self.version == 2 else "memory.usage_in_bytes"
+        return int(self._file("memory", name).read_text())
+
+    def pids_current(self) -> int:
+        return int(self._file("pids", "pids.current").read_text())
+
+    def kill(self, timeout: float = 5.0) -> None:
+        """SIGKILL everything in the sandbox, including what is forking right now."""
+        if not self.dirs:
+            return
+        if self.version == 2:
+            (self.dirs[0] / "cgroup.kill").write_text("1")
+        else:
+            # Frozen processes cannot fork between our read of cgroup.procs and the kill.
+            self.freeze()
+            for pid in self.pids():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            self.freeze(frozen=False)
+        deadline = time.monotonic() + timeout
+        while self.pids() and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def remove(self) -> None:
+        """Kill what is left and delete the directories (idempotent)."""
+        self.kill()
+        for d in self.dirs:
+            for leaf in LEAVES:
+                with contextlib.suppress(FileNotFoundError):
+                    _rmdir_retry(d / leaf)
+            with contextlib.suppress(FileNotFoundError):
+                _rmdir_retry(d)
+        self.dirs = []
+
+
+def _rmdir_retry(path: Path) -> None:
+    """rmdir a cgroup; the kernel says EBUSY for a moment after its last task exits."""
+    for _ in range(200):
+        try:
+            path.rmdir()
+            return
+        except OSError as exc:
+            if exc.errno != 16:  # EBUSY
+                raise
+            time.sleep(0.005)
+    path.rmdir()

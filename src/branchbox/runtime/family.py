@@ -1,0 +1,144 @@
+"""Daemon side of starting a family (see ``family_init`` for the process side).
+
+The launcher is a fresh interpreter started with ``-I -S`` (no site, no
+environment) so it starts in milliseconds and inherits nothing from the
+daemon but the fds it is given. The daemon writes the user namespace's id
+maps itself: it is root in the parent namespace, which is what the kernel
+asks of the writer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from branchbox.runtime.channel import AgentChannel
+from branchbox.storage.idmap import UID_BASE, UID_COUNT
+
+_SRC = str(Path(__file__).resolve().parents[2])
+_BOOT = (
+    "import sys; sys.path.insert(0, {src!r}); "
+    "from branchbox.runtime.family_init import main; main()"
+)
+
+
+class SpawnError(RuntimeError):
+    """The family or its first sandbox could not be started; the message says why."""
+
+
+@dataclass
+class Family:
+    """A running family: its launcher (kill it and the whole family dies)."""
+
+    launcher: asyncio.subprocess.Process
+
+    async def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.launcher.kill()
+        await self.launcher.wait()
+
+
+async def _read_some(fd: int, timeout: float) -> bytes:
+    """Read what a pipe offers (b"" at EOF), waiting at most ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future = loop.create_future()
+    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+    try:
+        await asyncio.wait_for(ready, timeout)
+    finally:
+        loop.remove_reader(fd)
+    return os.read(fd, 4096)
+
+
+def _write_id_maps(pid: int) -> None:
+    mapping = f"0 {UID_BASE} {UID_COUNT}\n"
+    Path(f"/proc/{pid}/uid_map").write_text(mapping)
+    Path(f"/proc/{pid}/gid_map").write_text(mapping)
+
+
+async def spawn_family(
+    *,
+    tree_fd: int,
+    repl_cgroup_fds: list[int],
+    cmds_cgroup_fds: list[int],
+    hostname: str,
+    env: dict[str, str],
+    cwd: str,
+    attach: Path,
+    log_path: Path,
+    python: str = "/usr/bin/python3",
+    timeout: float = 30.0,
+) -> tuple[Family, AgentChannel]:
+    """Start a family whose first sandbox enters ``tree_fd``; returns it once the REPL answers.
+
+    Consumes ``tree_fd`` and the cgroup fds.
+    """
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    status_r, status_w = os.pipe()
+    go_r, go_w = os.pipe()
+    child_fds = [tree_fd, theirs.fileno(), status_w, go_r, *repl_cgroup_fds, *cmds_cgroup_fds]
+    spec = {
+        "tree_fd": tree_fd,
+        "ctrl_fd": theirs.fileno(),
+        "status_w": status_w,
+        "go_r": go_r,
+        "repl_cgroup_fds": repl_cgroup_fds,
+        "cmds_cgroup_fds": cmds_cgroup_fds,
+        "attach": str(attach),
+        "hostname": hostname,
+        "env": env,
+        "cwd": cwd,
+        "python": python,
+    }
+    try:
+        with open(log_path, "ab") as log:
+            launcher = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-I",
+                "-S",
+                "-c",
+                _BOOT.format(src=_SRC),
+                json.dumps(spec),
+                pass_fds=child_fds,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+            )
+    finally:
+        for fd in child_fds:
+            os.close(fd)
+        theirs.detach()
+    family = Family(launcher)
+    try:
+        if await _read_some(status_r, timeout) != b"u":
+            raise SpawnError(f"the launcher died before making its user namespace (see {log_path})")
+        _write_id_maps(launcher.pid)
+        os.write(go_w, b"g")
+        channel = AgentChannel(ours)
+        ping = asyncio.ensure_future(channel.call("ping"))
+        # The status pipe reports an entry failure as text, success as EOF (every
+        # writer closed or exec'd); the ping answers once the agent serves.
+        failure = await _read_some(status_r, timeout)
+        if failure:
+            ping.cancel()
+            raise SpawnError(failure.decode(errors="replace"))
+        try:
+            await asyncio.wait_for(ping, timeout)
+        except (TimeoutError, OSError, EOFError) as exc:
+            raise SpawnError(
+                f"the sandbox's agent did not answer ({exc or 'timeout'}; see {log_path})"
+            ) from exc
+        return family, channel
+    except BaseException:
+        await family.kill()
+        ours.close()
+        raise
+    finally:
+        os.close(status_r)
+        os.close(go_w)

@@ -1,0 +1,89 @@
+"""The process that starts a family: user namespace, family PID namespace, first REPL.
+
+The daemon runs this as a fresh interpreter (never a fork of the threaded
+daemon) with one JSON argument; see ``runtime.family`` for the other side.
+
+Process tree it leaves behind (host view)::
+
+    launcher (this process; dies with the daemon, takes the family with it)
+      └─ family init  = PID 1 of the family PID namespace P; reaps orphans
+           └─ first REPL = /usr/bin/python3 of the image running the agent
+                └─ Q init = PID 1 of the sandbox's command namespace Q
+
+Step by step: unshare the user namespace; wait until the daemon has written
+the uid/gid maps; take uid/gid 0 of the namespace (only then do the
+capabilities apply to it); unshare the PID namespace so the next fork is P's
+init; that init forks the REPL, which enters its sandbox (``agent.entry``)
+and execs the image's python3 on the agent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+from branchbox.agent import entry, sysc
+
+AGENT_BOOT = (
+    "import sys; sys.path.insert(0, '/.branchbox'); "
+    "from bbagent import forking; forking.boot({ctrl}, {qinit}, {cmds})"
+)
+
+
+def _first_repl(spec: dict, status_w: int) -> None:
+    try:
+        cmds = spec["cmds_cgroup_fds"]
+        qinit = entry.enter_sandbox(
+            spec["tree_fd"], spec["attach"], spec["hostname"], spec["repl_cgroup_fds"], cmds
+        )
+        os.makedirs(spec["cwd"], exist_ok=True)
+        os.chdir(spec["cwd"])
+        keep = {spec["ctrl_fd"], *cmds}
+        for fd in keep:
+            os.set_inheritable(fd, True)
+        entry.close_fds_except(keep)
+        code = AGENT_BOOT.format(ctrl=spec["ctrl_fd"], qinit=qinit, cmds=cmds)
+        os.execve(spec["python"], ["python3", "-c", code], spec["env"])
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the daemon
+        os.write(status_w, f"sandbox entry failed: {type(exc).__name__}: {exc}".encode())
+        os._exit(1)
+
+
+def _family_init(spec: dict, status_w: int) -> None:
+    sysc.prctl(sysc.PR_SET_PDEATHSIG, signal.SIGKILL)
+    sysc.set_process_name("bb-family")
+    if os.fork() == 0:
+        _first_repl(spec, status_w)
+    os.closerange(0, 65536)
+    entry.reap_forever()
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    status_w, go_r = spec["status_w"], spec["go_r"]
+    sysc.prctl(sysc.PR_SET_PDEATHSIG, signal.SIGKILL)
+    sysc.set_process_name("bb-launcher")
+    try:
+        sysc.unshare(sysc.CLONE_NEWUSER)
+        os.write(status_w, b"u")
+        if os.read(go_r, 1) != b"g":
+            os._exit(1)
+        os.setresgid(0, 0, 0)
+        os.setresuid(0, 0, 0)
+        os.setgroups([])
+        sysc.unshare(sysc.CLONE_NEWPID)
+        init_pid = os.fork()
+    except BaseException as exc:  # noqa: BLE001
+        os.write(status_w, f"family set-up failed: {type(exc).__name__}: {exc}".encode())
+        os._exit(1)
+    if init_pid == 0:
+        _family_init(spec, status_w)
+    os.closerange(3, 65536)
+    _, status = os.waitpid(init_pid, 0)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
