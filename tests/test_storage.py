@@ -73,7 +73,8 @@ def copy_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
 
 @pytest.fixture(params=["btrfs", "copy"])
 def store(request: pytest.FixtureRequest) -> Store:
-    return request.getfixturevalue(f"{request.param}_store")
+    chosen: Store = request.getfixturevalue(f"{request.param}_store")
+    return chosen
 
 
 def fresh(store: Store) -> Path:
@@ -348,6 +349,19 @@ def test_a_mount_left_by_a_dead_process_is_adopted_and_released(tmp_path: Path) 
     assert loop_devices_of(image) == ""
 
 
+def test_a_foreign_mount_at_the_store_is_never_adopted(tmp_path: Path) -> None:
+    require_loop_btrfs()
+    mountpoint = tmp_path / "store"
+    mountpoint.mkdir()
+    loopback.mount("tmpfs", mountpoint, "tmpfs")
+    try:
+        with pytest.raises(BackendUnavailable, match="already mounted from tmpfs"):
+            choose_backend(tmp_path, "btrfs", image_size=SMALL_IMAGE)
+        assert mounted(mountpoint)
+    finally:
+        loopback.umount(mountpoint)
+
+
 def test_auto_on_btrfs_uses_subvolumes_in_place(btrfs_store: Store) -> None:
     data_dir = fresh(btrfs_store)
     before = loopback.current_mounts()
@@ -452,9 +466,20 @@ def test_failed_build_reports_output_and_leaves_nothing_behind(
     stale = tmp_path / "broken" / "build-crashed" / "rootfs"
     stale.mkdir(parents=True)
     (stale / "half").write_text("from a crashed build")
+    (tmp_path / "broken" / "rootfs").mkdir()  # renamed into place, but no manifest yet
 
     with pytest.raises(images.ImageBuildError, match="Failed getting release file"):
         images.ensure_image("broken", cache_dir=tmp_path, progress=False)
 
     assert sorted(p.name for p in (tmp_path / "broken").iterdir()) == [".lock"]
     assert capfd.readouterr() == ("", "")
+
+
+def test_a_built_image_is_used_without_building(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rootfs = tmp_path / "default" / "rootfs"
+    rootfs.mkdir(parents=True)
+    (tmp_path / "default" / "manifest.json").write_text("{}")
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))  # no debootstrap to run
+    assert images.ensure_image("default", cache_dir=tmp_path, progress=False) == rootfs

@@ -1,1 +1,68 @@
-"""branchbox: fork / explore / commit runtime for AI agents."""
+"""branchbox: fork / explore / commit runtime for AI agents.
+
+The public names load lazily (PEP 562): the runtime imports ``branchbox.*``
+submodules inside every sandbox process, which must not pay for httpx.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from branchbox.sdk import (
+        AsyncCommandHandle,
+        AsyncFiles,
+        AsyncSandbox,
+        AuthError,
+        CommandHandle,
+        CommandNotFound,
+        CommandResult,
+        Conflict,
+        Execution,
+        ExecutionError,
+        FileNotFound,
+        Files,
+        InvalidRequest,
+        PayloadTooLarge,
+        ReplGone,
+        Sandbox,
+        SandboxError,
+        SandboxNotFound,
+        SandboxTimeout,
+        StaleBranchError,
+    )
+
+__all__ = [
+    "AsyncCommandHandle",
+    "AsyncFiles",
+    "AsyncSandbox",
+    "AuthError",
+    "CommandHandle",
+    "CommandNotFound",
+    "CommandResult",
+    "Conflict",
+    "Execution",
+    "ExecutionError",
+    "FileNotFound",
+    "Files",
+    "InvalidRequest",
+    "PayloadTooLarge",
+    "ReplGone",
+    "Sandbox",
+    "SandboxError",
+    "SandboxNotFound",
+    "SandboxTimeout",
+    "StaleBranchError",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from branchbox import sdk
+
+        return getattr(sdk, name)
+    raise AttributeError(f"module 'branchbox' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

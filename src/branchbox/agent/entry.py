@@ -54,6 +54,10 @@ def _q_init(root: str, ready_w: int, cmds_cgroup_fds: list[int]) -> None:
     """
     try:
         sysc.prctl(sysc.PR_SET_PDEATHSIG, signal.SIGKILL)
+        # Its REPL must be able to setns() into Q through a pidfd of this process, which
+        # the kernel checks like ptrace; a process that changed uid (the launcher did) is
+        # not dumpable, and so not reachable from inside the user namespace.
+        sysc.prctl(sysc.PR_SET_DUMPABLE, 1)
         sysc.set_process_name("bb-init")
         for fd in cmds_cgroup_fds:
             os.write(fd, b"0")

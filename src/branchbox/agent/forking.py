@@ -21,8 +21,10 @@ socket and cgroup fds, over SCM_RIGHTS), then ``fork``. The REPL:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
+import signal
 import socket
 import stat
 from dataclasses import dataclass, field
@@ -67,10 +69,11 @@ def boot(ctrl_fd: int, qinit_pid: int, cmds_cgroup: list[int]) -> None:
     run(ctrl_fd)
 
 
-def join_commands_cgroup() -> None:
-    """Move the calling process (a command about to exec) into the sandbox's cmds cgroup."""
+def adopt_command(pid: int) -> None:
+    """Move a command the REPL just started into the sandbox's cmds cgroup."""
     for fd in STATE.cmds_cgroup:
-        os.write(fd, b"0")
+        with contextlib.suppress(ProcessLookupError):  # it may already have exited
+            os.write(fd, str(pid).encode())
 
 
 def take_warning() -> str | None:
@@ -183,6 +186,30 @@ def _become_child(
         os._exit(70)
 
 
+_api = ctypes.pythonapi
+_CLONE_PARENT = 0x00008000
+
+
+def _fork_flat() -> int:
+    """fork(), except that the child's parent is our parent (CLONE_PARENT).
+
+    Every REPL of a family is then a child of the family's init, which reaps
+    it when it ends: a closed fork child never lingers as a zombie of a
+    still-running parent REPL (nor in its cgroup). The interpreter's own
+    before/after-fork hooks run around the raw clone just as os.fork() runs
+    them; the agent is single-threaded, so no libc lock can be held.
+    """
+    _api.PyOS_BeforeFork()
+    pid = sysc.clone_fork(_CLONE_PARENT | signal.SIGCHLD)
+    if pid == 0:
+        _api.PyOS_AfterFork_Child()
+    else:
+        _api.PyOS_AfterFork_Parent()
+    if pid < 0:
+        raise OSError(-pid, f"clone: {os.strerror(-pid)}")
+    return pid
+
+
 def handle_fork(agent, req: dict, payload: bytes, fds: list[int]) -> None:
     slots, STATE.slots = STATE.slots, []
     if not slots:
@@ -207,7 +234,7 @@ def handle_fork(agent, req: dict, payload: bytes, fds: list[int]) -> None:
     sysc.setns(family_ns, sysc.CLONE_NEWPID)
     try:
         for i, slot in enumerate(slots):
-            pid = os.fork()
+            pid = _fork_flat()
             if pid == 0:
                 inherited = [family_ns, STATE.qinit_pidfd, *STATE.cmds_cgroup]
                 _become_child(
@@ -223,3 +250,10 @@ def handle_fork(agent, req: dict, payload: bytes, fds: list[int]) -> None:
                 for fd in slot.fds():
                     os.close(fd)
     agent.done(req["rid"], {"pids": pids, "threads": threads})
+
+
+def handle_sethostname(agent, req: dict, payload: bytes, fds: list[int]) -> None:
+    """After merge_into the body answers to the parent's id: take its hostname too."""
+    socket.sethostname(req["hostname"])
+    os.environ["HOSTNAME"] = req["hostname"]
+    agent.done(req["rid"], {})

@@ -16,6 +16,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
 # x86-64 syscall numbers (arch/x86/entry/syscalls/syscall_64.tbl)
+_SYS_CLONE = 56
 _SYS_PIVOT_ROOT = 155
 _SYS_OPEN_TREE = 428
 _SYS_MOVE_MOUNT = 429
@@ -54,6 +55,7 @@ FSMOUNT_CLOEXEC = 0x1
 PR_SET_NO_NEW_PRIVS = 38
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
+PR_SET_DUMPABLE = 4
 
 
 def _check(ret: int, what: str, path: str | None = None) -> int:
@@ -127,6 +129,12 @@ def fsmount(fs_fd: int, attr_flags: int = 0) -> int:
         _SYS_FSMOUNT, ctypes.c_int(fs_fd), ctypes.c_uint(FSMOUNT_CLOEXEC), ctypes.c_uint(attr_flags)
     )
     return _check(ret, "fsmount")
+
+
+def clone_fork(flags: int) -> int:
+    """Raw clone(2) with fork semantics (no new stack); returns pid, 0, or -errno."""
+    ret = _libc.syscall(_SYS_CLONE, ctypes.c_ulong(flags), None, None, None, None)
+    return -ctypes.get_errno() if ret < 0 else ret
 
 
 def prctl(option: int, arg2: int = 0) -> None:

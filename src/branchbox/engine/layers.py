@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from branchbox.runtime import rootfs
+from branchbox.storage import squash
 
 
 @dataclass(eq=False)
@@ -36,6 +37,10 @@ class LayerStack:
 
     def lowers(self) -> list[Path]:
         return [layer.lowerdir for layer in self.frozen] + self.base
+
+    def layer_dirs(self) -> list[Path]:
+        """Every layer directory of the root, top first (for diff)."""
+        return [self.volume / "upper", *self.lowers()]
 
     def tree(self) -> int:
         """A detached overlay mount of this stack (the sandbox's root)."""
@@ -69,6 +74,12 @@ class Layers:
         """Capture ``stack``'s writable volume as a new frozen layer (O(1) on btrfs)."""
         path = self._new_path("f")
         self.backend.snapshot(stack.volume, path, readonly=True)
+        return FrozenLayer(path)
+
+    def squash(self, layers: list[FrozenLayer]) -> FrozenLayer:
+        """One frozen layer equal to ``layers`` (top first) stacked: bounds the chain."""
+        path = self._new_path("s")
+        squash.squash(self.backend, [layer.path for layer in layers], path)
         return FrozenLayer(path)
 
     def release(self, stack: LayerStack) -> None:

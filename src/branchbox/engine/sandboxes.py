@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import re
@@ -28,6 +29,7 @@ from branchbox.runtime import rootfs
 from branchbox.runtime.cgroups import Limits, SandboxCgroup
 from branchbox.runtime.channel import AgentChannel, AgentError
 from branchbox.runtime.family import Family, spawn_family
+from branchbox.storage.layerdiff import diff_layers
 from branchbox.storage.backend import choose_backend
 from branchbox.storage.images import ImageNotFound, ensure_image
 
@@ -41,6 +43,9 @@ DEFAULT_ENV = {
     "TERM": "xterm",
     "MPLBACKEND": "Agg",
 }
+# Frozen layers a root may stack before a fork squashes them into one.
+MAX_CHAIN = 16
+DEFAULT_DIFF_PATHS = ("/root", "/tmp")
 # Requests that never touch the REPL's interpreter state, so they skip its lock.
 _LOCK_FREE_OPS = {"ping", "wait", "kill", "ps"}
 
@@ -89,6 +94,10 @@ class Engine:
         self.layers: Layers | None = None
         self.records: Records | None = None
         self._base_cache: dict[str, list[Path]] = {}
+        # id -> (parent id, parent's generation at fork); kept after close so that a
+        # descendant whose intermediate ancestors are closed can still be merged.
+        self._lineage: dict[str, tuple[str, int]] = {}
+        self._generations = itertools.count(1)
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -366,10 +375,13 @@ class Engine:
         pbody = parent.body
         pbody.cgroup.freeze("cmds")
         made: list[tuple[str, Body]] = []
-        frozen: FrozenLayer | None = None
+        fresh: list[FrozenLayer] = []
         try:
-            frozen = self.layers.freeze(pbody.layers)
-            lowers = [frozen, *pbody.layers.frozen]
+            fresh.append(self.layers.freeze(pbody.layers))
+            lowers = [fresh[0], *pbody.layers.frozen]
+            if len(lowers) > MAX_CHAIN:
+                fresh.append(self.layers.squash(lowers))
+                lowers = [fresh[-1]]
             limits = self._limits(parent.record.meta.get("memory_mb"))
             for _ in range(n):
                 sid, key = new_id(), secrets.token_hex(8)
@@ -408,8 +420,9 @@ class Engine:
                 ) from None
             raise
         finally:
-            if frozen is not None and frozen.refs == 0:
-                self.layers.drop(frozen)
+            for layer in fresh:
+                if layer.refs == 0:  # unused: squashed away, or the fork failed
+                    self.layers.drop(layer)
             pbody.cgroup.freeze("cmds", frozen=False)
         children = []
         for sid, body in made:
@@ -422,10 +435,79 @@ class Engine:
                 meta={**parent.record.meta, "timeout": None},
             )
             child = Live(record, body, parent.family, forked_at=parent.generation)
+            self._lineage[sid] = (parent.id, parent.generation)
             parent.family.members.add(sid)
             self._adopt(child, None)
             children.append(child)
         return children
+
+
+    # --------------------------------------------------------------------- merge
+    def _fork_point(self, parent: Live, winner: Live) -> int:
+        """The parent generation ``winner``'s line was forked at; raises if not a descendant."""
+        node = winner.id
+        while node in self._lineage:
+            up, generation = self._lineage[node]
+            if up == parent.id:
+                return generation
+            node = up
+        raise errors.InvalidRequest(f"{winner.id} is not a descendant of {parent.id}")
+
+    async def merge_into(self, sandbox_id: str, winner_id: str) -> None:
+        """The parent's id takes over the winner's processes and files; the winner's id ends."""
+        parent, winner = self.get(sandbox_id), self.get(winner_id)
+        if parent is winner:
+            raise errors.InvalidRequest("cannot merge a sandbox into itself")
+        if self._fork_point(parent, winner) != parent.generation:
+            raise errors.StaleBranch(
+                f"{winner_id} is stale: {sandbox_id} changed by another merge after it was "
+                "forked (first merge wins)")
+        await self._acquire(parent, self.config.busy_wait)
+        try:
+            await self._acquire(winner, self.config.busy_wait)
+        except BaseException:
+            parent.lock.release()
+            raise
+        try:
+            self._check_alive(winner)
+            old = parent.body
+            parent.body = winner.body
+            parent.generation = next(self._generations)
+            parent.record.instance = winner.body.key
+            parent.record.state = "ready"
+            self.live.pop(winner.id)
+            if winner.timer:
+                winner.timer.cancel()
+            for sid, (up, generation) in list(self._lineage.items()):
+                if up == winner.id:  # the winner's children are now the parent's
+                    fresh = generation == winner.generation
+                    self._lineage[sid] = (parent.id, parent.generation if fresh else -1)
+                    if sid in self.live:
+                        self.live[sid].record.parent_id = parent.id
+            winner.family.members.discard(winner.id)
+            self.records.mark_closed([winner.id])
+            self.records.put(parent.record)
+            parent.watcher = asyncio.get_running_loop().create_task(
+                self._watch(parent, parent.body))
+            with contextlib.suppress(errors.EngineError, AgentError, ChannelClosed):
+                await parent.body.channel.call("sethostname", {"hostname": parent.id})
+            await self._destroy_body(old)
+        finally:
+            winner.lock.release()
+            parent.lock.release()
+
+    # ---------------------------------------------------------------------- diff
+    async def diff(self, sandbox_id: str, other_id: str,
+                   paths: list[str] | None = None) -> dict[str, list[str]]:
+        """Files added in ``other``, removed from it, and modified, read from the layers."""
+        mine, other = self.get(sandbox_id), self.get(other_id)
+        paths = list(paths or DEFAULT_DIFF_PATHS)
+        for path in paths:
+            if not isinstance(path, str) or not path.startswith("/") or "\0" in path \
+                    or ".." in path.split("/"):
+                raise errors.InvalidRequest(f"diff paths must be absolute without '..': {path!r}")
+        return await asyncio.to_thread(diff_layers, mine.body.layers.layer_dirs(),
+                                       other.body.layers.layer_dirs(), paths)
 
 
 async def _drain(events: AsyncIterator) -> None:

@@ -1,0 +1,47 @@
+"""The Python SDK: ``Sandbox`` (blocking) and ``AsyncSandbox`` over the REST API.
+
+Implementation modules are private (``_x.py``); these are the public names.
+"""
+
+from __future__ import annotations
+
+from branchbox.sdk._async import AsyncCommandHandle, AsyncSandbox
+from branchbox.sdk._errors import (
+    AuthError,
+    CommandNotFound,
+    Conflict,
+    FileNotFound,
+    InvalidRequest,
+    PayloadTooLarge,
+    ReplGone,
+    SandboxError,
+    SandboxNotFound,
+    SandboxTimeout,
+    StaleBranchError,
+)
+from branchbox.sdk._files import AsyncFiles
+from branchbox.sdk._results import CommandResult, Execution, ExecutionError
+from branchbox.sdk._sync import CommandHandle, Files, Sandbox
+
+__all__ = [
+    "AsyncCommandHandle",
+    "AsyncFiles",
+    "AsyncSandbox",
+    "AuthError",
+    "CommandHandle",
+    "CommandNotFound",
+    "CommandResult",
+    "Conflict",
+    "Execution",
+    "ExecutionError",
+    "FileNotFound",
+    "Files",
+    "InvalidRequest",
+    "PayloadTooLarge",
+    "ReplGone",
+    "Sandbox",
+    "SandboxError",
+    "SandboxNotFound",
+    "SandboxTimeout",
+    "StaleBranchError",
+]

@@ -81,7 +81,7 @@ def _delete_nested_subvolume(path: str) -> None:
     btrfs.delete_subvolume(path)
 
 
-@dataclass
+@dataclass(eq=False)
 class Store:
     """Where volumes live (``root``), the backend that manages them, and its set-up.
 
@@ -91,7 +91,7 @@ class Store:
 
     backend: SnapshotBackend
     root: Path
-    _teardown: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    _teardown: list[Callable[[], None]] = field(default_factory=list, init=False, repr=False)
 
     def close(self) -> None:
         while self._teardown:
@@ -195,8 +195,10 @@ def _mount_store(image: Path, mountpoint: Path) -> str:
     """
     existing = loopback.mount_at(mountpoint, loopback.current_mounts())
     if existing is not None:
-        if existing.fstype != "btrfs":
-            raise BackendUnavailable(f"{mountpoint} is already mounted ({existing.fstype})")
+        if loopback.backing_file(existing.source) != os.path.realpath(image):
+            raise BackendUnavailable(
+                f"{mountpoint} is already mounted from {existing.source}, not from {image}"
+            )
         log.info("adopting the btrfs store already mounted at %s", mountpoint)
         return existing.source
     if os.geteuid() != 0:

@@ -54,7 +54,7 @@ def is_btrfs(path: Path | str) -> bool:
     if _libc.statfs(os.fsencode(path), buf) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), os.fspath(path))
-    (f_type,) = struct.unpack_from("l", buf)
+    f_type: int = struct.unpack_from("l", buf)[0]
     return f_type & 0xFFFFFFFF == BTRFS_SUPER_MAGIC
 
 

@@ -202,16 +202,21 @@ def _log_tail(log: Path) -> str:
     return f"\n--- {log} (last lines) ---\n" + "\n".join(lines)
 
 
-_PHASE = re.compile(r"I: (Retrieving|Validating|Extracting|Unpacking|Configuring) (\S+)")
+# Per-package lines; "I: Unpacking the base system..." and index files
+# ("Retrieving InRelease") are not packages.
+_PHASE = re.compile(
+    r"I: (Retrieving|Validating|Extracting|Unpacking|Configuring) (?!the )([a-z0-9][a-z0-9+.-]*)"
+)
 
 
 @contextmanager
 def _progress(name: str, enabled: bool) -> Iterator[Callable[[str], None]]:
     """Yield a function taking debootstrap output lines; it drives a rich bar on stderr.
 
-    The number of packages is only known once debootstrap has resolved them,
-    so the bar has no total: it shows the phase, the package, and how many
-    packages each phase has done.
+    The number of packages is unknown until debootstrap has downloaded them,
+    so the bar has no total. It shows the phase, how many packages the phase
+    has done (out of the number downloaded, once that is known) and the
+    package at hand.
     """
     if not enabled:
         yield lambda _line: None
@@ -228,12 +233,13 @@ def _progress(name: str, enabled: bool) -> Iterator[Callable[[str], None]]:
         def report(line: str) -> None:
             match = _PHASE.match(line)
             if match:
-                phase, package = match.groups()
+                phase, package = match[1], match[2].rstrip(".")
                 counts[phase] += 1
-                done = " ".join(f"{p.lower()} {n}" for p, n in counts.items())
-                bar.update(
-                    task, description=f"image {name}: {phase} {escape(package)}  [dim]({done})"
-                )
+                done = str(counts[phase])
+                if phase != "Retrieving":
+                    done += f"/{counts['Retrieving']}"
+                text = f"image {name}: {phase} {done} [dim]{escape(package)}"
+                bar.update(task, description=text)
             elif line.startswith("I: "):
                 bar.update(task, description=f"image {name}: {escape(line[3:].strip())}")
 

@@ -209,10 +209,10 @@ def mounts_under(path: Path, mounts: list[Mount]) -> list[str]:
     return sorted(inside, key=lambda p: p.count("/"), reverse=True)
 
 
-def mount_image(image: Path, target: Path, fstype: str) -> str:
+def mount_image(image: Path, target: Path, fstype: str, data: str | None = None) -> str:
     """Attach ``image`` to a loop device and mount it at ``target``; return the device."""
     with attached(image) as device:
-        mount(device, target, fstype)
+        mount(device, target, fstype, 0, data)
     return device
 
 
@@ -229,10 +229,18 @@ def unmount_image(target: Path, device: str, timeout: float = 5.0) -> bool:
         if exc.errno != errno.EBUSY:
             raise
         umount(target, MNT_DETACH)
-    backing = Path("/sys/block", os.path.basename(device), "loop", "backing_file")
     deadline = time.monotonic() + timeout
-    while backing.exists():
+    while backing_file(device) is not None:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.01)
     return True
+
+
+def backing_file(device: str) -> str | None:
+    """The file loop ``device`` is attached to, or None when it is free (or not a loop device)."""
+    sysfs = Path("/sys/block", os.path.basename(device), "loop", "backing_file")
+    try:
+        return sysfs.read_text().rstrip("\n")
+    except FileNotFoundError:
+        return None

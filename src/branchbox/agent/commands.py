@@ -1,0 +1,391 @@
+"""Shell commands: ``exec`` (foreground or background) and ``wait``, ``kill``, ``ps``.
+
+A command never blocks the loop: its pipes and a pidfd are watched by the
+agent's selector, so the agent keeps answering (files, other commands, fork)
+while commands run. A foreground command streams its output as events and
+ends its request with done (or fail "Timeout"); a background command answers
+``{"pid"}`` at once and keeps its output (bounded) until a ``wait`` collects it.
+
+A command is finished when its process exits, not when its pipes reach EOF:
+``server &`` leaves a grandchild holding the pipes, and waiting for EOF would
+hang the request for as long as that grandchild lives. Whatever is in the
+pipes at exit is read; later writes by grandchildren are not collected.
+
+Each command leads its own session and process group (``start_new_session``),
+so a timeout or ``kill`` reaches everything it started, and a ^C aimed at the
+REPL never reaches it.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import errno
+import json
+import os
+import shlex
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import IO
+
+from . import protocol
+from .server import Agent, OutputLimit, RequestError, Timer, output_limit, param, timeout_param
+
+_READ_SIZE = 64 * 1024
+# After exit, read at most this much more from a pipe. What the process itself wrote fits in
+# the pipe (at most fs.pipe-max-size, 1 MiB by default); anything beyond comes from a
+# grandchild that is still writing, and draining that could go on forever.
+_DRAIN_LIMIT = 1024 * 1024 + _READ_SIZE
+# Only if pidfd_open is refused (seccomp, kernel before 5.3): how often to look for the exit.
+_POLL_INTERVAL = 0.05
+# A wait result carries stdout and stderr inside the JSON header, where escapes can make text
+# up to six times longer than its bytes; the result is cut to stay below the frame limit.
+_RESULT_BUDGET = protocol.MAX_HEADER - 1024 * 1024
+_NOT_FOUND = b"command not found"
+
+
+class _Stream:
+    """One output pipe (stdout or stderr) of a command."""
+
+    def __init__(self, name: str, pipe: IO[bytes]) -> None:
+        self.name = name
+        self.pipe = pipe  # unbuffered and non-blocking: read() gives None when empty
+        self.open = True
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.kept = bytearray()  # a background command's output, up to its limit
+
+
+class Command:
+    """One process started by ``exec``, from spawn until its result is delivered."""
+
+    def __init__(
+        self,
+        table: Commands,
+        proc: subprocess.Popen,
+        display: str,
+        *,
+        shell: bool,
+        rid: int | None,
+        limit: OutputLimit,
+        timeout: float | None,
+    ) -> None:
+        self.table = table
+        self.agent = table.agent
+        self.proc = proc
+        self.pid = proc.pid
+        self.display = display
+        self.shell = shell
+        self.rid = rid  # the exec request a foreground command answers; None in background
+        self.limit = limit
+        self.timeout = timeout
+        self.started = time.monotonic()
+        self.duration = 0.0
+        self.exit_code: int | None = None
+        self.timed_out = False
+        self.waiters: list[tuple[int, Timer | None]] = []
+        self._saw_not_found = False
+        self._err_tail = b""
+        assert proc.stdout is not None and proc.stderr is not None
+        self.streams = [_Stream("stdout", proc.stdout), _Stream("stderr", proc.stderr)]
+        for stream in self.streams:
+            os.set_blocking(stream.pipe.fileno(), False)
+            self.agent.watch(stream.pipe, partial(self._on_readable, stream))
+        self._timer = self.agent.call_later(timeout, self._on_timeout) if timeout else None
+        self._pidfd: int | None = None
+        try:
+            self._pidfd = os.pidfd_open(self.pid)
+        except OSError:
+            self.agent.call_later(_POLL_INTERVAL, self._poll)
+        else:
+            self.agent.watch(self._pidfd, self._poll)
+
+    @property
+    def command_not_found(self) -> bool:
+        """bash's own verdict: exit status 127 after saying "command not found"."""
+        return self.shell and self.exit_code == 127 and self._saw_not_found
+
+    def signal(self, signo: int) -> None:
+        """Send ``signo`` to the command's whole process group."""
+        with contextlib.suppress(ProcessLookupError):  # the group is already gone
+            os.killpg(self.pid, signo)
+
+    def _on_timeout(self) -> None:
+        # The request is answered once the process is reaped (promptly, after SIGKILL).
+        self.timed_out = True
+        self.signal(signal.SIGKILL)
+
+    def _on_readable(self, stream: _Stream) -> None:
+        data = stream.pipe.read(_READ_SIZE)
+        if data is None:
+            return
+        if data:
+            self._output(stream, data)
+        else:
+            self._close(stream)
+
+    def _output(self, stream: _Stream, data: bytes) -> None:
+        if self.shell and stream.name == "stderr":
+            window = self._err_tail + data  # the phrase may straddle two reads
+            self._saw_not_found = self._saw_not_found or _NOT_FOUND in window
+            self._err_tail = window[-len(_NOT_FOUND) :]
+        kept = self.limit.take(data)
+        if self.rid is None:
+            stream.kept += kept
+            return
+        text = stream.decoder.decode(kept)
+        if text:
+            self.agent.event(self.rid, stream.name, data=text)
+
+    def _close(self, stream: _Stream) -> None:
+        self.agent.unwatch(stream.pipe)
+        stream.pipe.close()
+        stream.open = False
+
+    def _poll(self) -> None:
+        if self.proc.poll() is not None:
+            self._finish()
+        elif self._pidfd is None:
+            self.agent.call_later(_POLL_INTERVAL, self._poll)
+
+    def _finish(self) -> None:
+        for stream in self.streams:
+            if stream.open:
+                self._drain(stream)
+                self._close(stream)
+        if self._pidfd is not None:
+            self.agent.unwatch(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+        if self._timer is not None:
+            self._timer.cancel()
+        code = self.proc.returncode
+        assert code is not None
+        self.exit_code = 128 - code if code < 0 else code
+        self.duration = time.monotonic() - self.started
+        if self.rid is None:
+            self.table.finished(self)
+        else:
+            self._answer(self.rid)
+
+    def _drain(self, stream: _Stream) -> None:
+        left = _DRAIN_LIMIT
+        while left > 0:
+            data = stream.pipe.read(_READ_SIZE)
+            if not data:  # None: empty for now; b"": EOF
+                return
+            left -= len(data)
+            self._output(stream, data)
+
+    def _answer(self, rid: int) -> None:
+        """End a foreground command's request."""
+        for stream in self.streams:
+            tail = stream.decoder.decode(b"", final=True)
+            if tail:
+                self.agent.event(rid, stream.name, data=tail)
+        if self.limit.truncated:
+            self.agent.event(rid, "stderr", data=self.limit.marker())
+        self.table.foreground.discard(self)
+        if self.timed_out:
+            self.agent.fail(rid, "Timeout", f"command timed out after {self.timeout:g} seconds")
+            return
+        self.agent.done(
+            rid,
+            {
+                "exit_code": self.exit_code,
+                "truncated": self.limit.truncated,
+                "duration": self.duration,
+                "command_not_found": self.command_not_found,
+            },
+        )
+
+    def result(self) -> dict:
+        """A finished background command's ``wait`` result (computed once, then delivered)."""
+        stdout, stderr = _fit(self.streams[0].kept, self.streams[1].kept, self.limit)
+        if self.limit.truncated:
+            stderr += self.limit.marker()
+        return {
+            "exit_code": self.exit_code,
+            "stdout": stdout,
+            "stderr": stderr,
+            "truncated": self.limit.truncated,
+            "timed_out": self.timed_out,
+            "duration": self.duration,
+            "command_not_found": self.command_not_found,
+        }
+
+    def forget(self) -> None:
+        """In a forked child: close this process's copies of the command's descriptors."""
+        for stream in self.streams:
+            if stream.open:
+                stream.pipe.close()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+        # Not our child here. Without a returncode, Popen.__del__ would waitpid() the pid, and
+        # once the parent has reaped it that number may belong to one of *our* children.
+        self.proc.returncode = -signal.SIGKILL
+
+
+def _fit(
+    stdout: bytes | bytearray, stderr: bytes | bytearray, limit: OutputLimit
+) -> tuple[str, str]:
+    """Decode both outputs, cutting their ends (counted as dropped) until they fit a frame."""
+    while True:
+        texts = (stdout.decode("utf-8", "replace"), stderr.decode("utf-8", "replace"))
+        size = sum(len(json.dumps(text)) for text in texts)
+        if size <= _RESULT_BUDGET:
+            return texts
+        scale = _RESULT_BUDGET / size
+        cut_out, cut_err = stdout[: int(len(stdout) * scale)], stderr[: int(len(stderr) * scale)]
+        limit.dropped += len(stdout) - len(cut_out) + len(stderr) - len(cut_err)
+        stdout, stderr = cut_out, cut_err
+
+
+def _spawn(req: dict, on_spawn: Callable[[int], None] | None) -> tuple[subprocess.Popen, str, bool]:
+    """Start the command of an exec request; returns (process, display text, via bash?)."""
+    cmd = req.get("cmd")
+    if isinstance(cmd, str) and cmd:
+        argv, display, shell = ["/bin/bash", "-c", cmd], cmd, True
+    elif isinstance(cmd, list) and cmd and all(isinstance(arg, str) for arg in cmd):
+        argv, display, shell = cmd, shlex.join(cmd), False
+    else:
+        raise RequestError(
+            "InvalidRequest", "field 'cmd' must be a non-empty string or list of strings"
+        )
+    cwd = param(req, "cwd", str, None)
+    if cwd is not None and not os.path.isdir(cwd):
+        raise RequestError("InvalidRequest", f"cwd does not exist: {cwd}")
+    env = param(req, "env", dict, {})
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise RequestError("InvalidRequest", "field 'env' must map strings to strings")
+    try:
+        proc = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env={**os.environ, **env},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            bufsize=0,
+            start_new_session=True,
+        )
+    except ValueError as exc:  # NUL in an argument, "=" in a variable name
+        raise RequestError("InvalidRequest", str(exc)) from exc
+    except OSError as exc:
+        if cwd is not None and exc.filename == cwd:  # removed since the check above
+            raise RequestError("InvalidRequest", f"cwd does not exist: {cwd}") from exc
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            raise RequestError("CommandNotFound", f"command not found: {argv[0]}") from exc
+        if exc.errno in (errno.EACCES, errno.ENOEXEC, errno.E2BIG):
+            raise RequestError("InvalidRequest", f"cannot run {argv[0]}: {exc.strerror}") from exc
+        raise
+    if on_spawn is not None:
+        on_spawn(proc.pid)
+    return proc, display, shell
+
+
+class Commands:
+    """This process's commands, and the handlers of exec, wait, kill and ps."""
+
+    def __init__(self, agent: Agent, on_spawn: Callable[[int], None] | None = None) -> None:
+        """``on_spawn(pid)`` runs right after each command starts (to move it into the
+        sandbox's commands cgroup, so it is frozen during a fork). A hook after the spawn
+        rather than a preexec_fn, because a preexec_fn stops Popen from using vfork, and
+        fork() of a large REPL costs milliseconds per command."""
+        self.agent = agent
+        self.on_spawn = on_spawn
+        self.background: dict[int, Command] = {}  # until a wait has collected the result
+        self.foreground: set[Command] = set()
+        agent.at_fork(self._forget)
+
+    def handle_exec(self, agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None:
+        """``exec`` {cmd, cwd?, env?, timeout?, background?, max_output?}."""
+        rid = req["rid"]
+        background = param(req, "background", bool, False)
+        timeout = timeout_param(req)
+        limit = output_limit(req)
+        proc, display, shell = _spawn(req, self.on_spawn)
+        command = Command(
+            self,
+            proc,
+            display,
+            shell=shell,
+            rid=None if background else rid,
+            limit=limit,
+            timeout=timeout,
+        )
+        if background:
+            self.background[command.pid] = command
+            agent.done(rid, {"pid": command.pid})
+        else:
+            self.foreground.add(command)
+
+    def handle_wait(self, agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None:
+        """``wait`` {pid, timeout?}: answered from the loop when the command exits."""
+        rid = req["rid"]
+        command = self._find(req)
+        timeout = timeout_param(req)
+        if command.exit_code is not None:
+            del self.background[command.pid]
+            agent.done(rid, command.result())
+            return
+        timer = None
+        if timeout is not None:
+            timer = agent.call_later(timeout, partial(self._wait_expired, command, rid, timeout))
+        command.waiters.append((rid, timer))
+
+    def _wait_expired(self, command: Command, rid: int, timeout: float) -> None:
+        command.waiters = [w for w in command.waiters if w[0] != rid]
+        message = f"command {command.pid} still running after {timeout:g} seconds"
+        self.agent.fail(rid, "Timeout", message)
+
+    def finished(self, command: Command) -> None:
+        """A background command exited: answer its waiters, if any are waiting yet."""
+        if not command.waiters:
+            return
+        result = command.result()
+        del self.background[command.pid]
+        for rid, timer in command.waiters:
+            if timer is not None:
+                timer.cancel()
+            self.agent.done(rid, result)
+        command.waiters.clear()
+
+    def handle_kill(self, agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None:
+        """``kill`` {pid, signal?=9}: signal a background command's process group."""
+        command = self._find(req)
+        signo = param(req, "signal", int, signal.SIGKILL)
+        if signo not in signal.valid_signals():
+            raise RequestError("InvalidRequest", f"invalid signal {signo}")
+        # Once reaped, its group id may be reused by an unrelated group: leave it alone.
+        if command.exit_code is None:
+            command.signal(signo)
+        agent.done(req["rid"], {})
+
+    def handle_ps(self, agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None:
+        """``ps``: the background commands not yet collected by a wait."""
+        commands = [
+            {
+                "pid": c.pid,
+                "cmd": c.display,
+                "running": c.exit_code is None,
+                "exit_code": c.exit_code,
+            }
+            for c in self.background.values()
+        ]
+        agent.done(req["rid"], {"commands": commands})
+
+    def _find(self, req: dict) -> Command:
+        pid = param(req, "pid", int)
+        command = self.background.get(pid)
+        if command is None:
+            raise RequestError("NotFound", f"no background command with pid {pid}")
+        return command
+
+    def _forget(self) -> None:
+        for command in [*self.background.values(), *self.foreground]:
+            command.forget()
+        self.background.clear()
+        self.foreground.clear()

@@ -1,0 +1,478 @@
+"""The persistent Python REPL behind ``run_code``.
+
+One namespace lives as long as the process (and is inherited by fork
+children: that is the point of forking a REPL). A cell runs like a Jupyter
+cell: its statements, then the value of a trailing expression, whose repr and
+rich representations come back in the result.
+
+Output: during a call ``sys.stdout``/``sys.stderr`` are writers that send what
+user code writes as events, line by line. Output written to fds 1 and 2
+directly (os.write, subprocesses, C code) goes to memory files and is sent
+when the call ends: with one thread nobody could drain a pipe while user code
+runs, and a full pipe would deadlock the call. The two kinds of output are
+therefore not interleaved in time.
+
+Interrupts: SIGINT (sent by the daemon) and SIGALRM (the call's timeout) raise
+KeyboardInterrupt in user code, except while a frame is being written: then it
+is raised once the frame is complete, because half a frame would wreck the
+channel for good. Between calls SIGINT does nothing (see main).
+"""
+
+from __future__ import annotations
+import __future__
+
+import ast
+import base64
+import builtins
+import codecs
+import contextlib
+import ctypes
+import io
+import json
+import linecache
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import types
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from .server import Agent, OutputLimit, output_limit, param, timeout_param
+
+MAX_REPR = 1024 * 1024
+"""Characters of a trailing expression's repr kept in the result (JSON-escaped, a few MiB)."""
+
+_FLUSH_SIZE = 64 * 1024  # buffered characters that make a writer send without a newline
+_PIECE = 1024 * 1024  # characters per stdout/stderr event, so no frame grows huge
+_READ_SIZE = 64 * 1024
+_RICH = (
+    ("_repr_png_", "image/png"),
+    ("_repr_jpeg_", "image/jpeg"),
+    ("_repr_svg_", "image/svg+xml"),
+    ("_repr_html_", "text/html"),
+    ("_repr_markdown_", "text/markdown"),
+    ("_repr_latex_", "text/latex"),
+    ("_repr_json_", "application/json"),
+)
+# An object that has this attribute answers every name (a mock, a proxy): its _repr_*_
+# "methods" mean nothing. IPython guards the same way.
+_CANARY = "_branchbox_canary_method_should_not_exist_"
+# The `from __future__` imports that still change anything, kept in force across cells.
+_FUTURE_FLAGS = __future__.annotations.compiler_flag | __future__.barry_as_FLUFL.compiler_flag
+
+_libc_fflush = ctypes.CDLL(None).fflush
+_libc_fflush.argtypes = [ctypes.c_void_p]
+
+
+def thread_count() -> int:
+    """Threads of this process now, from /proc: threads not started by ``threading`` count too.
+
+    Forking a process with more than one thread can deadlock the child (a lock
+    held by a thread that does not exist there).
+    """
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    raise RuntimeError("no Threads: line in /proc/self/status")
+
+
+class _Call:
+    """One run_code request in progress."""
+
+    def __init__(self, rid: int, limit: OutputLimit) -> None:
+        self.rid = rid
+        self.limit = limit
+        self.pid = os.getpid()
+        self.thread = threading.get_ident()
+
+    def owns(self) -> bool:
+        """Whether this process and thread may send the call's events.
+
+        A process forked by user code, or a thread it started, must never write
+        to the control socket: its frames would interleave with ours.
+        """
+        return os.getpid() == self.pid and threading.get_ident() == self.thread
+
+
+def _write_fd(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+class _Writer(io.TextIOBase):
+    """``sys.stdout`` or ``sys.stderr`` during a call.
+
+    The same two objects serve every call, so a logging handler created in one
+    call still writes into whichever call is running. Anything written outside
+    a call, or by a forked process or another thread, goes to the file
+    descriptor (captured by the call, if one is running).
+    """
+
+    encoding = "utf-8"
+    errors = "strict"
+
+    def __init__(self, repl: Repl, name: str, fd: int) -> None:
+        super().__init__()
+        self._repl = repl
+        self._name = name
+        self._fd = fd
+        self._parts: list[str] = []
+        self._size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        """The real descriptor: ``subprocess.run(..., stdout=sys.stdout)`` is captured too."""
+        return self._fd
+
+    def write(self, s: str) -> int:
+        if not isinstance(s, str):
+            raise TypeError(f"write() argument must be str, not {type(s).__name__}")
+        call = self._repl.call
+        if call is None or not call.owns():
+            _write_fd(self._fd, s.encode("utf-8", "backslashreplace"))
+            return len(s)
+        self._parts.append(s)
+        self._size += len(s)
+        if "\n" in s or "\r" in s or self._size >= _FLUSH_SIZE:
+            self.flush()
+        return len(s)
+
+    def flush(self) -> None:
+        call = self._repl.call
+        if not self._parts or call is None or not call.owns():
+            return
+        text = "".join(self._parts)
+        self._parts.clear()
+        self._size = 0
+        self._repl.emit(self._name, text)
+
+    def close(self) -> None:
+        """Only flush: user code closing sys.stdout must not silence every later call."""
+        self.flush()
+
+
+class _FdCapture:
+    """Fds 1 and 2 pointed at fresh memory files for the duration of one call.
+
+    Fresh for every call, so a fork child never shares one with its parent.
+    """
+
+    def __init__(self) -> None:
+        _flush_stdio()  # what was written before the call is not the call's output
+        self._saved: list[int] = []
+        self.files: list[int] = []
+        for fd in (1, 2):
+            self._saved.append(os.dup(fd))
+            self.files.append(os.memfd_create(f"branchbox-fd{fd}", os.MFD_CLOEXEC))
+            os.dup2(self.files[-1], fd)
+
+    def restore(self) -> None:
+        """Point fds 1 and 2 back where they were (idempotent)."""
+        if not self._saved:
+            return
+        _flush_stdio()
+        for fd, saved in zip((1, 2), self._saved, strict=True):
+            os.dup2(saved, fd)
+            os.close(saved)
+        self._saved = []
+
+    def close(self) -> None:
+        self.restore()
+        for mem in self.files:
+            os.close(mem)
+        self.files = []
+
+
+def _stdin() -> io.TextIOWrapper:
+    """A ``sys.stdin`` whose close() (exit() and quit() call it) leaves fd 0 open: a freed
+    fd 0 would be handed to the next file opened, and commands would read from that."""
+    return open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 - it is sys.stdin
+
+
+def _flush_stdio() -> None:
+    """Push what Python's and C's stdio buffers hold for fds 1 and 2 into those fds now."""
+    for stream in (sys.__stdout__, sys.__stderr__):
+        if stream is not None and not stream.closed:
+            # The original stdout may be a pipe nobody reads any more; that is no reason
+            # to fail the user's call.
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+    _libc_fflush(None)
+
+
+@dataclass
+class _Outcome:
+    text: str | None = None
+    results: dict[str, Any] = field(default_factory=dict)
+    figures: list[dict[str, str]] = field(default_factory=list)
+    error: dict[str, str] | None = None
+    timed_out: bool = False
+
+
+class Repl:
+    """The ``run_code`` op and the namespace it runs in."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        main = types.ModuleType("__main__")
+        main.__dict__["__builtins__"] = builtins
+        # User code *is* __main__, so pickle finds the functions and classes it defines.
+        sys.modules["__main__"] = main
+        self.namespace = main.__dict__
+        self.call: _Call | None = None
+        self.stdout = _Writer(self, "stdout", 1)
+        self.stderr = _Writer(self, "stderr", 2)
+        self._count = 0
+        self._flags = 0  # future imports of earlier cells stay in force, as in a REPL
+        self._timed_out = False
+        self._deferred = False
+        sys.stdin = _stdin()
+        # There is no display: pyplot.show() can only warn, and the figures come back anyway.
+        warnings.filterwarnings("ignore", message="FigureCanvasAgg is non-interactive")
+
+    def handle_run_code(self, agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None:
+        """``run_code`` {code, timeout?, max_output?}: stdout/stderr events, then done."""
+        rid = req["rid"]
+        code = param(req, "code", str)
+        timeout = timeout_param(req)
+        call = _Call(rid, output_limit(req))
+        started = time.monotonic()
+        if sys.stdin is None or sys.stdin.closed:
+            sys.stdin = _stdin()  # exit() closed it
+        saved = sys.stdout, sys.stderr
+        capture = _FdCapture()
+        sys.stdout, sys.stderr = self.stdout, self.stderr
+        self.call = call
+        try:
+            outcome = self._run(code, timeout)
+            if os.getpid() != call.pid:
+                # User code forked and did not exit: this child must never reach the loop.
+                os._exit(0 if outcome.error is None else 1)
+            self.stdout.flush()
+            self.stderr.flush()
+            capture.restore()
+            self._send_captured(capture.files)
+        finally:
+            capture.close()
+            sys.stdout, sys.stderr = saved
+            self.call = None
+        if call.limit.truncated:
+            self._send(rid, "stderr", call.limit.marker())
+        agent.done(
+            rid,
+            {
+                "text": outcome.text,
+                "results": outcome.results,
+                "figures": outcome.figures,
+                "error": outcome.error,
+                "truncated": call.limit.truncated,
+                "timed_out": outcome.timed_out,
+                "duration": time.monotonic() - started,
+            },
+        )
+
+    # -- output -----------------------------------------------------------------------------
+
+    def emit(self, name: str, text: str) -> None:
+        """Send user output of the running call, within its output limit."""
+        assert self.call is not None
+        data = text.encode("utf-8", "replace")
+        kept = self.call.limit.take(data)
+        self._send(self.call.rid, name, kept.decode("utf-8", "ignore"))
+        if self._deferred:  # an interrupt came in while the frame was being written
+            self._deferred = False
+            raise KeyboardInterrupt
+
+    def _send(self, rid: int, name: str, text: str) -> None:
+        for start in range(0, len(text), _PIECE):
+            self.agent.event(rid, name, data=text[start : start + _PIECE])
+
+    def _send_captured(self, files: list[int]) -> None:
+        assert self.call is not None
+        for name, mem in zip(("stdout", "stderr"), files, strict=True):
+            keep = self.call.limit.reserve(os.fstat(mem).st_size)
+            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            offset = 0
+            while offset < keep:
+                data = os.pread(mem, min(_READ_SIZE, keep - offset), offset)
+                if not data:
+                    break
+                offset += len(data)
+                self._send(self.call.rid, name, decoder.decode(data))
+            self._send(self.call.rid, name, decoder.decode(b"", final=True))
+
+    # -- running a cell ---------------------------------------------------------------------
+
+    def _run(self, code: str, timeout: float | None) -> _Outcome:
+        self._count += 1
+        filename = f"<cell-{self._count}>"
+        # Tracebacks show the cell's lines, also later, from functions the cell defined.
+        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        outcome = _Outcome()
+        try:
+            body, last = self._compile(code, filename)
+        except Exception as exc:  # SyntaxError; ValueError for a NUL byte
+            outcome.error = _error(exc, None)
+            return outcome
+        failure: BaseException | None = None
+        previous = self._arm(timeout)
+        try:
+            try:
+                exec(body, self.namespace)
+                if last is not None:
+                    value = eval(last, self.namespace)
+                    if value is not None:
+                        self.namespace["_"] = value
+                        outcome.text, outcome.results = self._display(value)
+            except BaseException as exc:  # SystemExit and KeyboardInterrupt are results too
+                failure = exc
+            try:
+                outcome.figures = _figures()
+            except BaseException as exc:
+                failure = failure or exc
+        finally:
+            self._disarm(previous)
+        outcome.timed_out = self._timed_out
+        if failure is not None:
+            outcome.error = _error(failure, failure.__traceback__)
+        if outcome.figures:
+            outcome.results.setdefault("image/png", outcome.figures[0]["image/png"])
+        return outcome
+
+    def _compile(self, code: str, filename: str) -> tuple[types.CodeType, types.CodeType | None]:
+        """The cell's statements, and its trailing expression if it ends with one."""
+        tree = ast.parse(code, filename, "exec")
+        last = None
+        # dont_inherit: this module's own `from __future__ import annotations` is not the user's.
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            expression = ast.Expression(tree.body[-1].value)
+            del tree.body[-1]
+            last = compile(expression, filename, "eval", self._flags, dont_inherit=True)
+        body = compile(tree, filename, "exec", self._flags, dont_inherit=True)
+        self._flags |= body.co_flags & _FUTURE_FLAGS
+        return body, last
+
+    def _arm(self, timeout: float | None) -> tuple[Any, Any]:
+        self._timed_out = False
+        self._deferred = False
+        previous = (
+            signal.signal(signal.SIGINT, self._interrupt),
+            signal.signal(signal.SIGALRM, self._interrupt),
+        )
+        if timeout is not None:
+            signal.setitimer(signal.ITIMER_REAL, timeout)
+        return previous
+
+    def _disarm(self, previous: tuple[Any, Any]) -> None:
+        while True:
+            # A signal landing in here raises KeyboardInterrupt: go again until the timer is
+            # off and the handlers are back, after which nothing can raise.
+            with contextlib.suppress(KeyboardInterrupt):
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGINT, previous[0])
+                signal.signal(signal.SIGALRM, previous[1])
+                self._deferred = False
+                return
+
+    def _interrupt(self, signum: int, frame: types.FrameType | None) -> None:
+        if signum == signal.SIGALRM:
+            self._timed_out = True
+        if self.agent.sending:
+            self._deferred = True  # raised by emit() once the frame is out
+            return
+        raise KeyboardInterrupt
+
+    def _display(self, value: Any) -> tuple[str, dict[str, Any]]:
+        """repr and rich representations (mime type → data) of a cell's value."""
+        text = repr(value)
+        if len(text) > MAX_REPR:
+            text = text[:MAX_REPR] + "\n[branchbox: repr truncated]"
+        results: dict[str, Any] = {"text/plain": text}
+        # A class's _repr_*_ are unbound functions, not representations of the class.
+        if isinstance(value, type) or hasattr(value, _CANARY):
+            return text, results
+        for method, mime in _RICH:
+            data = _encode(mime, self._call_repr(value, method))
+            if data is not None:
+                results[mime] = data
+        bundle = self._call_repr(value, "_repr_mimebundle_", include=None, exclude=None)
+        if isinstance(bundle, dict):
+            for mime, raw in bundle.items():
+                data = _encode(mime, raw)
+                if data is not None:
+                    results.setdefault(mime, data)
+        return text, results
+
+    def _call_repr(self, value: Any, method: str, **kwargs: Any) -> Any:
+        func = getattr(value, method, None)
+        if not callable(func):
+            return None
+        try:
+            data = func(**kwargs)
+        except Exception as exc:
+            # One broken representation must not cost the others, nor go unmentioned.
+            self.emit("stderr", f"[branchbox: {type(value).__name__}.{method}() failed: {exc!r}]\n")
+            return None
+        return data[0] if isinstance(data, tuple) else data  # (data, metadata)
+
+
+def _encode(mime: str, data: Any) -> Any:
+    """``data`` as JSON can carry it: bytes as base64, or None if it cannot be carried."""
+    if isinstance(data, bytes):
+        return base64.b64encode(data).decode("ascii")
+    if isinstance(data, str):
+        return data
+    if data is not None and (mime == "application/json" or mime.endswith("+json")):
+        try:
+            json.dumps(data)
+        except (TypeError, ValueError):
+            return None
+        return data
+    return None
+
+
+def _figures() -> list[dict[str, str]]:
+    """Open matplotlib figures as base64 PNG, then closed (Jupyter's inline backend does so).
+
+    Only if user code imported pyplot: the agent never imports matplotlib.
+    """
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    if pyplot is None:
+        return []
+    figures = []
+    try:
+        for num in pyplot.get_fignums():
+            buffer = io.BytesIO()
+            pyplot.figure(num).savefig(buffer, format="png", bbox_inches="tight")
+            figures.append({"image/png": base64.b64encode(buffer.getvalue()).decode("ascii")})
+    finally:
+        pyplot.close("all")  # a figure that cannot be drawn must not fail every later call
+    return figures
+
+
+def _error(exc: BaseException, tb: types.TracebackType | None) -> dict[str, str]:
+    """The result's ``error``: name, value and the traceback without this module's frames
+    (the exec at the start; the interrupt handler or an output writer at the end)."""
+    report = traceback.TracebackException(type(exc), exc, tb)
+    report.stack = traceback.StackSummary.from_list(
+        [frame for frame in report.stack if frame.filename != _OWN_FILE]
+    )
+    try:
+        value = str(exc)
+    except Exception:
+        value = f"<unprintable {type(exc).__name__}>"
+    return {"name": type(exc).__name__, "value": value, "traceback": "".join(report.format())}
+
+
+_OWN_FILE = _error.__code__.co_filename

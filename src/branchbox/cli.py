@@ -1,0 +1,263 @@
+"""The ``branchbox`` command: run the daemon, and drive sandboxes from a shell.
+
+Every command but ``serve`` talks to the daemon through the SDK (so
+``$BRANCHBOX_URL`` and ``$BRANCHBOX_API_KEY`` apply, and a local daemon is
+started when none answers), and takes ``--json`` for output a program can
+read. A ``SandboxError`` ends the command with exit status 1 and one red line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import click
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from branchbox.engine.config import DEFAULT_DATA_DIR
+from branchbox.sdk import CommandResult, Sandbox, SandboxError
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+
+class _Commands(typer.core.TyperGroup):
+    """Turns SDK errors into one red line and exit status 1 instead of a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except SandboxError as exc:
+            fail(str(exc))
+
+
+app = typer.Typer(cls=_Commands, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Linux sandboxes with a persistent Python REPL that fork, diff and merge.")
+
+Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
+SandboxId = Annotated[str, typer.Argument(help="Sandbox id (sbx_...).", show_default=False)]
+
+
+class Storage(StrEnum):
+    auto = "auto"
+    btrfs = "btrfs"
+    copy = "copy"
+
+
+def fail(message: str) -> None:
+    err.print(f"[red]error:[/red] {message}", markup=True, soft_wrap=True)
+    raise typer.Exit(1)
+
+
+def emit_json(value: Any) -> None:
+    out.print_json(json.dumps(value, default=str))
+
+
+@contextmanager
+def attached(sandbox_id: str) -> Iterator[Sandbox]:
+    """An existing sandbox, left running afterwards."""
+    sandbox = Sandbox.connect(sandbox_id)
+    try:
+        yield sandbox
+    finally:
+        sandbox.detach()
+
+
+def write_through(stream: Any) -> Any:
+    """An output callback that copies sandbox output to ``stream`` as it arrives."""
+
+    def write(data: str) -> None:
+        stream.write(data)
+        stream.flush()
+
+    return write
+
+
+@app.command()
+def serve(
+    data_dir: Annotated[Path, typer.Option(help="Where sandboxes, layers and the socket live.",
+                                           envvar="BRANCHBOX_DATA_DIR")]
+    = DEFAULT_DATA_DIR,
+    host: Annotated[str | None, typer.Option(help="Listen on TCP at this address instead of "
+                                                  "the unix socket.")] = None,
+    port: Annotated[int | None, typer.Option(help="TCP port (default 8787).")] = None,
+    storage: Annotated[Storage | None, typer.Option(
+        help="Snapshot backend; default $BRANCHBOX_STORAGE, else auto (btrfs if possible).")]
+    = None,
+    api_keys: Annotated[Path | None, typer.Option(
+        help="File of accepted API keys, one a line (also: $BRANCHBOX_API_KEY).")] = None,
+    max_upload_mb: Annotated[int, typer.Option(help="Largest file upload accepted.")] = 1024,
+    as_json: Json = False,
+) -> None:
+    """Run the daemon until SIGINT or SIGTERM (which close every sandbox)."""
+    # Imported here: the other commands need neither FastAPI nor the engine.
+    from branchbox.server.serve import ServeError
+    from branchbox.server.serve import serve as run_server
+
+    keys = [os.environ["BRANCHBOX_API_KEY"]] if os.environ.get("BRANCHBOX_API_KEY") else []
+    if api_keys is not None:
+        keys += [line.strip() for line in api_keys.read_text().splitlines() if line.strip()]
+    try:
+        run_server(data_dir, host, port, storage.value if storage else None, api_keys=keys,
+                   max_upload=max_upload_mb << 20,
+                   on_listening=(lambda url: emit_json({"listening": url})) if as_json
+                   else (lambda url: out.print(f"branchbox listening on {url}")))
+    except ServeError as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        pass  # the server has shut down gracefully already
+
+
+@app.command("ls")
+def list_sandboxes(as_json: Json = False) -> None:
+    """List the live sandboxes."""
+    sandboxes = Sandbox.list_all()
+    if as_json:
+        emit_json(sandboxes)
+        return
+    table = Table("ID", "STATE", "PARENT", "IMAGE", "CHILDREN", box=None)
+    for info in sandboxes:
+        table.add_row(info["id"], info.get("state"), info.get("parent_id") or "-",
+                      info.get("image"), str(len(info.get("children") or [])))
+    out.print(table)
+
+
+@app.command()
+def create(
+    image: Annotated[str, typer.Option(help="Image to start from.")] = "default",
+    timeout: Annotated[float | None, typer.Option(
+        help="Seconds until the server closes the sandbox.")] = None,
+    memory_mb: Annotated[int | None, typer.Option(help="Memory limit in MiB.")] = None,
+    as_json: Json = False,
+) -> None:
+    """Create a sandbox, print its id, and leave it running."""
+    sandbox = Sandbox(image, timeout=timeout, memory_mb=memory_mb)
+    if as_json:
+        emit_json(sandbox.info())
+    else:
+        out.print(sandbox.id)
+    sandbox.detach()
+
+
+@app.command()
+def run(
+    sandbox_id: SandboxId,
+    code: Annotated[str, typer.Argument(help="Python code for the sandbox's REPL.")],
+    timeout: Annotated[float | None, typer.Option(help="Interrupt the code after this "
+                                                       "many seconds.")] = None,
+    as_json: Json = False,
+) -> None:
+    """Run Python in a sandbox's REPL, streaming its output; exit 1 if it raised."""
+    with attached(sandbox_id) as sandbox:
+        if as_json:
+            execution = sandbox.run_code(code, timeout=timeout)
+            emit_json(dataclasses.asdict(execution))
+        else:
+            execution = sandbox.run_code(code, timeout=timeout,
+                                         on_stdout=write_through(sys.stdout),
+                                         on_stderr=write_through(sys.stderr))
+            if execution.text is not None:
+                out.print(execution.text, markup=False)
+            if execution.error is not None:
+                sys.stderr.write(execution.error.traceback)
+    if execution.error is not None:
+        raise typer.Exit(1)
+
+
+@app.command("exec", context_settings={"allow_interspersed_args": False})
+def exec_command(
+    sandbox_id: SandboxId,
+    cmd: Annotated[list[str], typer.Argument(
+        help="The command after `--`; one argument is run by bash (pipes work), several "
+             "are the argv.", show_default=False)],
+    cwd: Annotated[str | None, typer.Option(help="Working directory in the sandbox.")] = None,
+    timeout: Annotated[float | None, typer.Option(help="Kill it after this many seconds.")]
+    = None,
+    as_json: Json = False,
+) -> None:
+    """Run a command in a sandbox, streaming its output; exit with its exit status."""
+    command: str | list[str] = cmd[0] if len(cmd) == 1 else cmd
+    with attached(sandbox_id) as sandbox:
+        if as_json:
+            result = sandbox.exec(command, cwd=cwd, timeout=timeout)
+        else:
+            result = sandbox.exec(command, cwd=cwd, timeout=timeout,
+                                  on_stdout=write_through(sys.stdout),
+                                  on_stderr=write_through(sys.stderr))
+    assert isinstance(result, CommandResult)
+    if as_json:
+        emit_json(dataclasses.asdict(result))
+    raise typer.Exit(result.exit_code or 0)
+
+
+@app.command()
+def fork(
+    sandbox_id: SandboxId,
+    n: Annotated[int, typer.Option("-n", "--n", help="How many children.")] = 1,
+    as_json: Json = False,
+) -> None:
+    """Fork a sandbox into N children (memory, files, env, cwd); print their ids."""
+    with attached(sandbox_id) as sandbox:
+        children = sandbox.fork(n)
+        ids = [child.id for child in children]
+        for child in children:
+            child.detach()
+    if as_json:
+        emit_json({"children": ids})
+    else:
+        out.print("\n".join(ids))
+
+
+@app.command()
+def diff(
+    a: SandboxId,
+    b: Annotated[str, typer.Argument(help="The sandbox to compare with A.", show_default=False)],
+    path: Annotated[list[str] | None, typer.Option(
+        "--path", help="Compare under this path (repeatable; default /root and /tmp).")] = None,
+    as_json: Json = False,
+) -> None:
+    """Show files added, removed and modified in B relative to A."""
+    with attached(a) as sandbox:
+        changes = sandbox.diff(b, path)
+    if as_json:
+        emit_json(changes)
+        return
+    for kind, mark, color in (("added", "+", "green"), ("removed", "-", "red"),
+                              ("modified", "~", "yellow")):
+        for changed in changes.get(kind, []):
+            out.print(f"[{color}]{mark} {changed}[/{color}]", markup=True)
+
+
+@app.command()
+def merge(
+    parent: SandboxId,
+    winner: Annotated[str, typer.Argument(help="The child whose state the parent takes.",
+                                          show_default=False)],
+    as_json: Json = False,
+) -> None:
+    """Merge WINNER into PARENT: PARENT's id now drives WINNER's state; WINNER is retired."""
+    with attached(parent) as target, attached(winner) as source:
+        target.merge_into(source)
+    if as_json:
+        emit_json({"merged": winner, "into": parent})
+
+
+@app.command("rm")
+def remove(
+    sandbox_ids: Annotated[list[str], typer.Argument(help="Sandbox ids.", show_default=False)],
+    as_json: Json = False,
+) -> None:
+    """Close sandboxes (killing everything in them)."""
+    for sandbox_id in sandbox_ids:
+        Sandbox.connect(sandbox_id).close()
+    if as_json:
+        emit_json({"closed": sandbox_ids})

@@ -1,0 +1,238 @@
+"""``AsyncSandbox``: the one implementation of the SDK; ``Sandbox`` is its blocking face.
+
+A sandbox object is *new* until ``start()`` (or ``async with``) creates it on
+the server, then *open* until ``close()``, ``detach()`` or being merged into
+another sandbox; after that every call but ``close()`` fails.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+import httpx
+
+from branchbox.sdk._errors import SandboxError, SandboxNotFound
+from branchbox.sdk._files import AsyncFiles
+from branchbox.sdk._http import Api
+from branchbox.sdk._results import (
+    CommandResult,
+    Execution,
+    Output,
+    OutputCallback,
+    collect,
+    command_result,
+    execution,
+)
+
+State = Literal["new", "open", "closed", "detached", "merged"]
+
+
+class AsyncSandbox:
+    """A Linux sandbox with a persistent Python REPL, which can be forked.
+
+    ``async with AsyncSandbox() as sb:`` creates it and closes it at the end;
+    ``await AsyncSandbox.connect(id)`` attaches to one that exists.
+    """
+
+    def __init__(self, image: str = "default", *, workspace: str | Path | None = None,
+                 env: dict[str, str] | None = None, cwd: str | None = None,
+                 timeout: float | None = None, egress: bool = True,
+                 memory_mb: int | None = None, url: str | None = None,
+                 api_key: str | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        """Describe the sandbox; nothing happens on the server until ``start()``.
+
+        ``timeout`` is the sandbox's lifetime in seconds (closed by the server after
+        it); ``url``/``api_key`` override ``$BRANCHBOX_URL``/``$BRANCHBOX_API_KEY``;
+        ``transport`` is handed to httpx (tests pass ``httpx.ASGITransport(app)``).
+        """
+        spec = {"image": image, "env": env, "cwd": cwd, "timeout": timeout, "egress": egress,
+                "memory_mb": memory_mb,
+                "workspace": None if workspace is None else str(Path(workspace).absolute())}
+        self._spec: dict[str, Any] | None = {k: v for k, v in spec.items() if v is not None}
+        self._bind(Api(url, api_key, transport), None, None, "new")
+
+    def _bind(self, api: Api, sandbox_id: str | None, parent_id: str | None,
+              state: State) -> None:
+        self._api = api
+        self._id = sandbox_id
+        self.parent_id = parent_id
+        self._state: State = state
+        self.files = AsyncFiles(self)
+
+    @classmethod
+    def _attached(cls, api: Api, sandbox_id: str, parent_id: str | None) -> AsyncSandbox:
+        sandbox = cls.__new__(cls)
+        sandbox._spec = None
+        sandbox._bind(api, sandbox_id, parent_id, "open")
+        return sandbox
+
+    @classmethod
+    async def connect(cls, sandbox_id: str, *, url: str | None = None,
+                      api_key: str | None = None,
+                      transport: httpx.AsyncBaseTransport | None = None) -> AsyncSandbox:
+        """Attach to an existing sandbox (closing this object closes that sandbox)."""
+        api = Api(url, api_key, transport)
+        try:
+            await api.ready()
+            info = await api.call("GET", f"/v1/sandboxes/{sandbox_id}")
+        except BaseException:
+            await api.release()
+            raise
+        return cls._attached(api, info["id"], info.get("parent_id"))
+
+    @classmethod
+    async def list_all(cls, *, url: str | None = None, api_key: str | None = None,
+                       transport: httpx.AsyncBaseTransport | None = None) -> builtins.list[dict]:
+        """The info of every live sandbox on the server."""
+        api = Api(url, api_key, transport)
+        try:
+            await api.ready()
+            return (await api.call("GET", "/v1/sandboxes"))["sandboxes"]
+        finally:
+            await api.release()
+
+    async def start(self) -> AsyncSandbox:
+        """Create the sandbox on the server (``async with`` does this); returns self."""
+        if self._state == "new":
+            assert self._spec is not None
+            try:
+                await self._api.ready()
+                info = await self._api.call("POST", "/v1/sandboxes", json=self._spec)
+            except BaseException:
+                self._state = "closed"
+                await self._api.release()
+                raise
+            self._id, self._state = info["id"], "open"
+        return self
+
+    @property
+    def id(self) -> str:
+        """``sbx_`` + 32 hex digits."""
+        if self._id is None:
+            raise SandboxError("this sandbox has not been started",
+                               hint="use `async with AsyncSandbox() as sb` or `await sb.start()`")
+        return self._id
+
+    def _url(self, suffix: str = "") -> str:
+        if self._state != "open":
+            raise SandboxError(f"sandbox {self._id} is {self._state}",
+                               hint="create or connect to a sandbox to use it")
+        return f"/v1/sandboxes/{self.id}{suffix}"
+
+    async def run_code(self, code: str, *, timeout: float | None = None,
+                       on_stdout: OutputCallback | None = None,
+                       on_stderr: OutputCallback | None = None) -> Execution:
+        """Run Python in the sandbox's REPL, whose variables persist between calls.
+
+        An exception in the code is reported in ``.error``, not raised. Past ``timeout``
+        seconds the code is interrupted (the REPL keeps its state) and ``SandboxTimeout``
+        is raised.
+        """
+        body = {"code": code} if timeout is None else {"code": code, "timeout": timeout}
+        out = await collect(self._api.lines("POST", self._url("/run_code"), json=body),
+                            on_stdout, on_stderr)
+        return execution(out, timeout)
+
+    async def exec(self, cmd: str | builtins.list[str], *, cwd: str | None = None,
+                   env: dict[str, str] | None = None, timeout: float | None = None,
+                   on_stdout: OutputCallback | None = None,
+                   on_stderr: OutputCallback | None = None,
+                   background: bool = False) -> CommandResult | AsyncCommandHandle:
+        """Run a command: a string for the shell, or a list of arguments.
+
+        Returns its ``CommandResult`` (a non-zero exit code is not an error), or with
+        ``background=True`` at once a handle to ``wait()`` for or ``kill()`` it. Raises
+        ``CommandNotFound`` if the program does not exist in the sandbox.
+        """
+        body = {k: v for k, v in {"cmd": cmd, "cwd": cwd, "env": env, "timeout": timeout}.items()
+                if v is not None}
+        if background:
+            reply = await self._api.call("POST", self._url("/commands"),
+                                         json={**body, "background": True})
+            return AsyncCommandHandle(self, reply["pid"])
+        out = await collect(self._api.lines("POST", self._url("/commands"), json=body),
+                            on_stdout, on_stderr)
+        return command_result(out, timeout)
+
+    async def fork(self, n: int = 1) -> builtins.list[AsyncSandbox]:
+        """``n`` copies of this sandbox as it is now: memory, files, env, cwd."""
+        reply = await self._api.call("POST", self._url("/fork"), json={"n": n})
+        return [AsyncSandbox._attached(self._api.retain(), child, self.id)
+                for child in reply["children"]]
+
+    async def merge_into(self, winner: AsyncSandbox) -> None:
+        """Make this sandbox's id drive ``winner``'s state; ``winner`` is used up."""
+        await self._api.call("POST", self._url(f"/merge_into/{winner.id}"))
+        await winner._let_go("merged")
+
+    async def diff(self, other: AsyncSandbox | str,
+                   paths: builtins.list[str] | None = None) -> dict[str, builtins.list[str]]:
+        """``{"added", "removed", "modified"}``: paths as they differ in ``other``."""
+        body: dict[str, Any] = {"other": other if isinstance(other, str) else other.id}
+        if paths is not None:
+            body["paths"] = paths
+        return await self._api.call("POST", self._url("/diff"), json=body)
+
+    async def commit(self) -> dict:
+        """Write the workspace's changes into its host directory (``StaleBranchError`` if a
+        sibling committed first)."""
+        return await self._api.call("POST", self._url("/commit"))
+
+    async def info(self) -> dict:
+        """State, parent, children, created time, address, resource use."""
+        return await self._api.call("GET", self._url())
+
+    async def close(self) -> None:
+        """Destroy the sandbox. Idempotent; a no-op for one merged into its parent."""
+        if self._state == "open":
+            with contextlib.suppress(SandboxNotFound):  # expired or closed elsewhere: done
+                await self._api.call("DELETE", self._url())
+        await self._let_go("closed")
+
+    async def detach(self) -> None:
+        """Forget this object but leave the sandbox running (``connect`` finds it again)."""
+        await self._let_go("detached")
+
+    async def _let_go(self, state: State) -> None:
+        if self._state in ("new", "open"):
+            self._state = state
+            await self._api.release()
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return await self.start()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._id or '(not started)'} {self._state}>"
+
+
+class AsyncCommandHandle:
+    """A command running in the background."""
+
+    def __init__(self, sandbox: AsyncSandbox, pid: int) -> None:
+        self.sandbox = sandbox
+        self.pid = pid
+
+    async def wait(self, timeout: float | None = None) -> CommandResult:
+        """Its result once it exits (``SandboxTimeout`` if that takes over ``timeout`` s)."""
+        body = {} if timeout is None else {"timeout": timeout}
+        reply = await self.sandbox._api.call(
+            "POST", self.sandbox._url(f"/commands/{self.pid}/wait"), json=body)
+        return command_result(Output(reply.get("stdout", ""), reply.get("stderr", ""), reply),
+                              timeout)
+
+    async def kill(self, signal: int = 9) -> None:
+        """Send ``signal`` (default SIGKILL) to the command."""
+        await self.sandbox._api.call("POST", self.sandbox._url(f"/commands/{self.pid}/kill"),
+                                     json={"signal": signal})
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} pid={self.pid} in {self.sandbox._id}>"

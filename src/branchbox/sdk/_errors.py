@@ -1,0 +1,116 @@
+"""The SDK's exceptions, and the one table that turns a server reply into one of them.
+
+::
+
+    SandboxError                      anything the SDK raises (also: daemon unreachable)
+    ├── InvalidRequest                bad arguments (400)
+    ├── AuthError                     missing or wrong API key (401)
+    ├── SandboxNotFound               no such sandbox: closed, expired or never made (404)
+    ├── FileNotFound                  no such file in the sandbox (also a FileNotFoundError)
+    ├── SandboxTimeout                a run or command hit its timeout (also a TimeoutError)
+    ├── Conflict                      the sandbox is busy, or the operation lost a race (409)
+    │   └── StaleBranchError          a sibling merged or committed first
+    ├── ReplGone                      the sandbox's REPL died (410)
+    ├── CommandNotFound               exec of a program the sandbox does not have
+    └── PayloadTooLarge               upload over the server's limit (413)
+
+Every message ends with a hint on how to fix the problem.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class SandboxError(Exception):
+    """Base of every SDK exception. ``message`` is the server's text, ``status`` its HTTP
+    status (None for failures on this side), ``kind`` the server's error type."""
+
+    hint: ClassVar[str] = ""
+
+    def __init__(self, message: str, *, status: int | None = None, kind: str | None = None,
+                 hint: str | None = None) -> None:
+        hint = self.hint if hint is None else hint
+        super().__init__(f"{message}; {hint}" if hint else message)
+        self.message = message
+        self.status = status
+        self.kind = kind or type(self).__name__
+
+
+class InvalidRequest(SandboxError):
+    hint = "check the arguments against the SDK's documentation"
+
+
+class AuthError(SandboxError):
+    hint = "pass api_key= or set BRANCHBOX_API_KEY to a key the server accepts"
+
+
+class SandboxNotFound(SandboxError):
+    hint = ("the sandbox was closed, merged, expired through its timeout, or never existed; "
+            "`branchbox ls` lists the live ones")
+
+
+class FileNotFound(SandboxError, FileNotFoundError):
+    hint = "check the path inside the sandbox with files.list() or files.exists()"
+
+
+class SandboxTimeout(SandboxError, TimeoutError):
+    """The run was interrupted; the REPL and its variables are still there. ``result``
+    (an Execution or CommandResult) holds what it printed before it was stopped, when the
+    server sent that."""
+
+    hint = "the REPL state is kept; pass a larger timeout= or split the work"
+    result: Any = None
+
+
+class Conflict(SandboxError):
+    hint = "retry once the sandbox's current call has finished"
+
+
+class StaleBranchError(Conflict):
+    hint = "a sibling branch merged or committed first; fork again from the parent"
+
+
+class ReplGone(SandboxError):
+    hint = "the sandbox's REPL process died (out of memory, or killed); close the sandbox"
+
+
+class CommandNotFound(SandboxError):
+    """``result`` is the command's result (its stderr says what the shell said)."""
+
+    hint = "install the program in the sandbox or check its name and PATH"
+    result: Any = None
+
+
+class PayloadTooLarge(SandboxError):
+    hint = "split the file, or raise the server's --max-upload-mb"
+
+
+# The server's error "type" -> exception, with the HTTP status that means the same thing
+# when a reply carries no type (a proxy's error page, an older server).
+_TABLE: dict[str, tuple[type[SandboxError], int | None]] = {
+    "InvalidRequest": (InvalidRequest, 400),
+    "EndpointNotFound": (InvalidRequest, None),
+    "MethodNotAllowed": (InvalidRequest, 405),
+    "AuthError": (AuthError, 401),
+    "SandboxNotFound": (SandboxNotFound, 404),
+    "FileNotFound": (FileNotFound, None),
+    "SandboxTimeout": (SandboxTimeout, 408),
+    "Conflict": (Conflict, 409),
+    "StaleBranchError": (StaleBranchError, None),
+    "ReplGone": (ReplGone, 410),
+    "CommandNotFound": (CommandNotFound, None),
+    "PayloadTooLarge": (PayloadTooLarge, 413),
+}
+_BY_STATUS = {status: cls for cls, status in _TABLE.values() if status is not None}
+
+
+def error_from_reply(status: int, body: Any) -> SandboxError:
+    """The exception for an error reply ``{"error": message, "type": kind}`` (or any body)."""
+    if isinstance(body, dict):
+        message = str(body.get("error") or body.get("message") or f"HTTP {status}")
+        kind = body.get("type")
+    else:
+        message, kind = ("" if body is None else str(body).strip()) or f"HTTP {status}", None
+    cls = _TABLE[kind][0] if kind in _TABLE else _BY_STATUS.get(status, SandboxError)
+    return cls(message, status=status, kind=kind)

@@ -1,0 +1,95 @@
+"""The SDK's only door to the server: requests, streams and NDJSON, with errors mapped.
+
+An ``Api`` wraps one ``httpx.AsyncClient``. A sandbox and every sandbox forked
+from it share one (forking 32 children opens no new connections); the last of
+them to close or detach closes it. Transport failures become ``SandboxError``
+with the httpx exception chained, so callers catch one hierarchy.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+
+from branchbox.sdk._config import resolve
+from branchbox.sdk._daemon import ensure_daemon
+from branchbox.sdk._errors import SandboxError, error_from_reply
+
+# No read timeout: a run may print nothing for an hour; the server enforces run timeouts.
+_TIMEOUT = httpx.Timeout(None, connect=10.0)
+
+
+class Api:
+    def __init__(self, url: str | None = None, api_key: str | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.config = resolve(url, api_key)
+        # Only the default local daemon is started on demand, and only when we reach it
+        # through our own socket transport (a caller's transport decides for itself).
+        self._autostart = self.config.local_data_dir if transport is None else None
+        if transport is None and self.config.socket:
+            transport = httpx.AsyncHTTPTransport(uds=self.config.socket)
+        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key \
+            else {}
+        self._client = httpx.AsyncClient(base_url=self.config.base_url, transport=transport,
+                                         headers=headers, timeout=_TIMEOUT)
+        self._users = 1
+
+    async def ready(self) -> None:
+        """Make sure a server answers (starting the local daemon if that is ours to do)."""
+        if self._autostart is not None:
+            try:
+                await ensure_daemon(self._client, self._autostart)
+            except httpx.TransportError as exc:
+                raise self._unreachable(exc) from exc
+            self._autostart = None
+
+    def retain(self) -> Api:
+        self._users += 1
+        return self
+
+    async def release(self) -> None:
+        self._users -= 1
+        if self._users == 0:
+            await self._client.aclose()
+
+    @asynccontextmanager
+    async def stream(self, method: str, path: str, **kwargs: Any) -> AsyncIterator[httpx.Response]:
+        """A response whose body is not read yet; error replies raise their exception."""
+        try:
+            async with self._client.stream(method, path, **kwargs) as reply:
+                if reply.is_error:
+                    await reply.aread()
+                    raise error_from_reply(reply.status_code, _body(reply))
+                yield reply
+        except httpx.TransportError as exc:
+            raise self._unreachable(exc) from exc
+
+    async def call(self, method: str, path: str, **kwargs: Any) -> Any:
+        """The decoded JSON reply (None for an empty one, as after 204)."""
+        async with self.stream(method, path, **kwargs) as reply:
+            await reply.aread()
+        return reply.json() if reply.content else None
+
+    async def lines(self, method: str, path: str, **kwargs: Any) -> AsyncIterator[dict]:
+        """The objects of an NDJSON reply, as they arrive."""
+        async with self.stream(method, path, **kwargs) as reply:
+            async for line in reply.aiter_lines():
+                if line.strip():
+                    yield json.loads(line)
+
+    def _unreachable(self, exc: httpx.TransportError) -> SandboxError:
+        return SandboxError(f"lost or could not reach the branchbox server at {self.config.url} "
+                            f"({type(exc).__name__}: {exc})",
+                            hint="start it with `branchbox serve`, or point BRANCHBOX_URL at "
+                                 "a running one")
+
+
+def _body(reply: httpx.Response) -> Any:
+    try:
+        return reply.json()
+    except ValueError:
+        return reply.text

@@ -1,0 +1,53 @@
+"""The REST application: routes that translate HTTP to engine calls, and nothing else.
+
+The engine is started and stopped by the application's lifespan, so a server
+that shuts down gracefully (SIGINT, SIGTERM) closes every sandbox it ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI
+from fastapi.responses import PlainTextResponse
+
+from branchbox.engine.sandboxes import Engine
+from branchbox.server import execution, files, sandboxes
+from branchbox.server.deps import require_api_key
+from branchbox.server.errors import install_error_handlers
+
+DEFAULT_MAX_UPLOAD = 1 << 30
+
+
+def create_app(engine: Engine, *, api_keys: Iterable[str] = (),
+               max_upload: int = DEFAULT_MAX_UPLOAD) -> FastAPI:
+    """The API over ``engine``.
+
+    With ``api_keys``, every endpoint but ``/v1/healthz`` wants ``Authorization:
+    Bearer <key>``. Uploads larger than ``max_upload`` bytes are refused (413).
+    """
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.stop()
+
+    app = FastAPI(title="branchbox", version="0.1.0", lifespan=lifespan,
+                  description="Linux sandboxes with a persistent Python REPL that fork.")
+    app.state.engine = engine
+    app.state.api_keys = frozenset(api_keys)
+    app.state.max_upload = max_upload
+    install_error_handlers(app)
+
+    @app.get("/v1/healthz", response_class=PlainTextResponse, tags=["server"])
+    async def healthz() -> str:
+        """``ok`` once the engine has started (open to all, even with API keys)."""
+        return "ok"
+
+    for module in (sandboxes, execution, files):
+        app.include_router(module.router, dependencies=[Depends(require_api_key)])
+    return app

@@ -1,0 +1,32 @@
+"""What handlers share: the engine, the API key check, the 204 route options."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated
+
+from fastapi import Depends, Request, Response
+
+from branchbox.engine.sandboxes import Engine
+from branchbox.server.errors import AuthError
+
+
+async def _engine(request: Request) -> Engine:
+    return request.app.state.engine
+
+
+EngineDep = Annotated[Engine, Depends(_engine)]
+# Route options of endpoints that answer 204 with an empty body.
+NO_CONTENT: dict = {"status_code": 204, "response_class": Response}
+
+
+async def require_api_key(request: Request) -> None:
+    """``Authorization: Bearer <key>`` (Podflare's scheme), when the server has keys at all."""
+    keys: frozenset[str] = request.app.state.api_keys
+    if not keys:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    # compare_digest against every key: the time taken says nothing about which was close.
+    matches = [hmac.compare_digest(token.encode(), key.encode()) for key in keys]
+    if scheme.lower() != "bearer" or not any(matches):
+        raise AuthError()

@@ -1,0 +1,91 @@
+"""Every failure as JSON ``{"error": message, "type": kind}`` with the right HTTP status.
+
+The engine's errors carry their own status and kind; this module only adds the
+failures that arise at the HTTP edge (bad input, unknown route, bad API key)
+and turns anything unexpected into a 500 that names its cause, so a client
+never has to parse an HTML error page or guess from a bare status.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from branchbox.engine import errors
+
+# Kinds for failures of the HTTP layer itself (the SDK maps them like engine kinds).
+_HTTP_KINDS = {404: "EndpointNotFound", 405: "MethodNotAllowed"}
+
+
+class AuthError(errors.EngineError):
+    status = 401
+    kind = "AuthError"
+
+    def __init__(self) -> None:
+        super().__init__("invalid api key")
+
+
+def describe(exc: BaseException) -> tuple[int, str, str]:
+    """(status, message, kind) of any exception, as the client will see it."""
+    if isinstance(exc, errors.EngineError):
+        return exc.status, exc.message, exc.kind
+    return 500, f"internal error: {type(exc).__name__}: {exc}", "SandboxError"
+
+
+def error_response(status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse({"error": message, "type": kind}, status_code=status)
+
+
+def validation_message(exc: RequestValidationError) -> str:
+    """One line naming each bad field, e.g. ``n: Input should be a valid integer (got True)``."""
+    parts: list[str] = []
+    for err in exc.errors():
+        # loc starts with where the value came from (body, query, path, header).
+        where = ".".join(str(p) for p in err["loc"][1:])
+        if err["type"] == "json_invalid":
+            msg = f"invalid JSON: {err.get('ctx', {}).get('error', err['msg'])}"
+        elif err["loc"] == ("body",):
+            msg = "the request body must be a JSON object"
+            if err["type"] != "missing":
+                msg += f" (got {_short(err.get('input'))})"
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] not in ("missing", "value_error"):
+                msg += f" (got {_short(err.get('input'))})"
+            if not msg.startswith(f"{where} "):
+                msg = f"{where}: {msg}"
+        if msg not in parts:
+            parts.append(msg)
+    return "; ".join(parts) or "invalid request"
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def engine_error(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(*describe(exc))
+
+    async def bad_request(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return error_response(400, validation_message(exc), "InvalidRequest")
+
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, HTTPException)
+        kind = _HTTP_KINDS.get(exc.status_code, "InvalidRequest")
+        message = str(exc.detail)
+        if exc.status_code in _HTTP_KINDS:
+            message = (f"no endpoint {request.method} {request.url.path} "
+                       "(is the server older than the client?)")
+        return error_response(exc.status_code, message, kind)
+
+    app.add_exception_handler(errors.EngineError, engine_error)
+    app.add_exception_handler(RequestValidationError, bad_request)
+    app.add_exception_handler(HTTPException, http_error)
+    # Exception handlers for Exception itself run in Starlette's outermost middleware: the
+    # client gets this JSON 500, and the error is still re-raised for the server's log.
+    app.add_exception_handler(Exception, engine_error)

@@ -1,0 +1,62 @@
+"""Sandbox lifecycle and branching: create, list, info, close, fork, merge, diff, commit."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Body
+
+from branchbox.server.deps import NO_CONTENT, EngineDep
+from branchbox.server.models import CreateSandbox, Diff, Fork
+
+router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
+
+
+@router.post("", status_code=201)
+async def create_sandbox(body: CreateSandbox, engine: EngineDep) -> dict:
+    """Start a sandbox; answers once its REPL is ready, with its info."""
+    sb = await engine.create(image=body.image, env=body.env, cwd=body.cwd,
+                             timeout=body.timeout, memory_mb=body.memory_mb)
+    return engine.info(sb.id)
+
+
+@router.get("")
+async def list_sandboxes(engine: EngineDep) -> dict:
+    return {"sandboxes": [engine.info(sb.id) for sb in engine.list()]}
+
+
+@router.get("/{sandbox_id}")
+async def sandbox_info(sandbox_id: str, engine: EngineDep) -> dict:
+    return engine.info(sandbox_id)
+
+
+@router.delete("/{sandbox_id}", **NO_CONTENT)
+async def close_sandbox(sandbox_id: str, engine: EngineDep) -> None:
+    """Kill everything in the sandbox and release its storage."""
+    await engine.close(sandbox_id)
+
+
+@router.post("/{sandbox_id}/fork")
+async def fork_sandbox(sandbox_id: str, engine: EngineDep,
+                       body: Annotated[Fork, Body(default_factory=Fork)]) -> dict:
+    """``n`` children from this instant of the sandbox (memory, files, env, cwd)."""
+    children = await engine.fork(sandbox_id, body.n)
+    return {"children": [child.id for child in children]}
+
+
+@router.post("/{sandbox_id}/merge_into/{winner_id}", **NO_CONTENT)
+async def merge_into(sandbox_id: str, winner_id: str, engine: EngineDep) -> None:
+    """The sandbox's id takes over the winner's state; the winner's id is retired."""
+    await engine.merge_into(sandbox_id, winner_id)
+
+
+@router.post("/{sandbox_id}/diff")
+async def diff(sandbox_id: str, body: Diff, engine: EngineDep) -> dict:
+    """Files added, removed and modified in ``other`` relative to this sandbox."""
+    return await engine.diff(sandbox_id, body.other, body.paths)
+
+
+@router.post("/{sandbox_id}/commit")
+async def commit(sandbox_id: str, engine: EngineDep) -> dict:
+    """Write the sandbox's workspace changes into the host directory it came from."""
+    return await engine.commit(sandbox_id)

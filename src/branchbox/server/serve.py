@@ -1,0 +1,115 @@
+"""Running the daemon: the app under uvicorn, on a private unix socket or on TCP.
+
+The default listener is ``<data_dir>/branchbox.sock`` with mode 0600: only
+root can reach it, which is the same trust the daemon itself needs. The
+socket is bound here (not by uvicorn, which would chmod it 0666). SIGINT and
+SIGTERM shut down gracefully: the app's lifespan stops the engine, which
+closes every sandbox.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from types import FrameType
+
+import uvicorn
+
+from branchbox.engine.config import DEFAULT_DATA_DIR, EngineConfig
+from branchbox.engine.sandboxes import Engine
+from branchbox.server.address import DEFAULT_HOST, DEFAULT_PORT, socket_path
+from branchbox.server.app import DEFAULT_MAX_UPLOAD, create_app
+
+
+class ServeError(RuntimeError):
+    """The daemon cannot start listening; the message says why and what to do."""
+
+
+def announce(url: str) -> None:
+    print(f"branchbox listening on {url}", flush=True)
+
+
+def serve(data_dir: Path | str = DEFAULT_DATA_DIR, host: str | None = None,
+          port: int | None = None, storage: str | None = None, *,
+          api_keys: Iterable[str] = (), max_upload: int = DEFAULT_MAX_UPLOAD,
+          on_listening: Callable[[str], None] = announce) -> None:
+    """Serve until SIGINT or SIGTERM; TCP if ``host`` or ``port`` is given, else the socket.
+
+    ``storage`` None means the engine's default (``$BRANCHBOX_STORAGE``, else "auto").
+    """
+    data_dir = Path(data_dir).absolute()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    config = EngineConfig(data_dir=data_dir)
+    if storage is not None:
+        config.storage = storage
+    api_keys = frozenset(api_keys)
+    app = create_app(Engine(config), api_keys=api_keys, max_upload=max_upload)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if host is None and port is None:
+        path = socket_path(data_dir)
+        sock, url = _bind_unix(path), f"unix://{path}"
+    else:
+        sock = _bind_tcp(host or DEFAULT_HOST, DEFAULT_PORT if port is None else port)
+        bound_host, bound_port = sock.getsockname()[:2]
+        url = f"http://[{bound_host}]:{bound_port}" if ":" in bound_host else \
+            f"http://{bound_host}:{bound_port}"
+        if not api_keys:
+            logging.getLogger("branchbox.server").warning(
+                "listening on TCP without API keys: anyone who can reach %s runs code as "
+                "this daemon's sandboxes; set BRANCHBOX_API_KEY or --api-keys", url)
+    server = uvicorn.Server(uvicorn.Config(app, timeout_graceful_shutdown=10))
+    # uvicorn re-raises the signal it shut down for; SIGTERM then ends the process
+    # through this handler, so the `finally` below still removes the socket file.
+    previous = signal.signal(signal.SIGTERM, _exit_cleanly)
+    try:
+        on_listening(url)
+        server.run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        sock.close()
+        if sock.family == socket.AF_UNIX:
+            Path(url.removeprefix("unix://")).unlink(missing_ok=True)
+
+
+def _exit_cleanly(_signum: int, _frame: FrameType | None) -> None:
+    sys.exit(0)
+
+
+def _bind_unix(path: Path) -> socket.socket:
+    if path.exists() or path.is_symlink():
+        if _answers(path):
+            raise ServeError(f"a branchbox daemon already listens on {path}; stop it first "
+                             "or use another --data-dir")
+        path.unlink()  # left by a daemon that died: nobody listens on it
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)  # never world-connectable, not even for an instant
+    try:
+        sock.bind(str(path))
+    except OSError as exc:
+        sock.close()
+        raise ServeError(f"cannot listen on {path}: {exc}") from exc
+    finally:
+        os.umask(old_umask)
+    return sock
+
+
+def _bind_tcp(host: str, port: int) -> socket.socket:
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        return socket.create_server((host, port), family=family)
+    except OSError as exc:
+        raise ServeError(f"cannot listen on {host}:{port}: {exc}") from exc
+
+
+def _answers(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True

@@ -1,0 +1,90 @@
+"""Engine event streams as HTTP responses (NDJSON lines or raw bytes).
+
+Once a streaming response has sent its status line, an error can no longer
+change it. So a stream is *opened* first: its first event is awaited before
+the response exists, and whatever fails that early (unknown sandbox, dead
+REPL, a path the agent refuses) becomes an ordinary HTTP error. Failures
+after that point end an NDJSON stream with an ``error`` line, and abort a
+byte stream mid-body so the client cannot mistake a partial file for a whole.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from fastapi.responses import StreamingResponse
+
+from branchbox.engine import errors
+from branchbox.server.errors import describe
+
+log = logging.getLogger("branchbox.server")
+
+Event = tuple[dict, bytes]
+NDJSON = "application/x-ndjson"
+
+
+async def opened(events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+    """``events`` with its first event already received (raising any early failure here)."""
+    try:
+        first = await anext(events)
+    except StopAsyncIteration:
+        raise errors.EngineError("the sandbox's agent ended a request without answering") \
+            from None
+    return _resume(first, events)
+
+
+async def _resume(first: Event, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+    # Closing `events` here (also when the client goes away) releases the sandbox's lock.
+    try:
+        yield first
+        async for item in events:
+            yield item
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+def event_line(header: dict, final_type: str) -> dict:
+    """An agent event as a client sees it: ``{"type": kind, ...fields}``."""
+    if header.get("ev") == "done":
+        return {"type": final_type, **(header.get("result") or {})}
+    fields = {k: v for k, v in header.items() if k not in ("rid", "ev")}
+    return {"type": header.get("ev"), **fields}
+
+
+def error_line(exc: Exception) -> dict:
+    status, message, kind = describe(exc)
+    if status == 500:
+        log.error("stream failed", exc_info=exc)
+    return {"type": "error", "error": message, "kind": kind, "status": status}
+
+
+def ndjson_response(events: AsyncIterator[Event],
+                    to_lines: Callable[[dict], list[dict]]) -> StreamingResponse:
+    """Stream ``to_lines(header)`` for each event, one JSON object per line."""
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for header, _ in events:
+                for line in to_lines(header):
+                    yield _encode(line)
+        except Exception as exc:  # the status line is gone: report in-band
+            yield _encode(error_line(exc))
+
+    return StreamingResponse(body(), media_type=NDJSON)
+
+
+def bytes_response(events: AsyncIterator[Event]) -> StreamingResponse:
+    """The payloads of ``events`` as the response body, never held whole in memory."""
+
+    async def body() -> AsyncIterator[bytes]:
+        async for _, payload in events:
+            if payload:
+                yield payload
+
+    return StreamingResponse(body(), media_type="application/octet-stream")
+
+
+def _encode(line: dict) -> bytes:
+    return json.dumps(line, separators=(",", ":")).encode() + b"\n"
