@@ -276,7 +276,7 @@ async def test_async_sandbox(connected: str, anyio_backend: str) -> None:
         await sb.run_code("x = 20")
         execution = await sb.run_code("print(x * 2)", on_stdout=on_stdout)
         assert execution.stdout == "40\n" and streamed == ["40\n"]
-        result = await sb.exec("cat /etc/hostname")
+        result = await sb.exec("cat /proc/sys/kernel/hostname")
         assert isinstance(result, CommandResult) and result.stdout.strip() == sb.id
         await sb.files.write("/tmp/async.txt", b"async")
         assert await sb.files.read("/tmp/async.txt") == b"async"

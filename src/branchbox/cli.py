@@ -9,39 +9,50 @@ read. A ``SandboxError`` ends the command with exit status 1 and one red line.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, ParamSpec
 
-import click
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from branchbox.engine.config import DEFAULT_DATA_DIR
 from branchbox.sdk import CommandResult, Sandbox, SandboxError
 
-out = Console(highlight=False)
+# Piped output is not cut to 80 columns: the ids in tables are for copying whole.
+out = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True, highlight=False)
+P = ParamSpec("P")
 
 
-class _Commands(typer.core.TyperGroup):
-    """Turns SDK errors into one red line and exit status 1 instead of a traceback."""
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except SandboxError as exc:
-            fail(str(exc))
-
-
-app = typer.Typer(cls=_Commands, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Linux sandboxes with a persistent Python REPL that fork, diff and merge.")
+
+
+def command(name: str | None = None) -> Callable[[Callable[P, None]], Callable[P, None]]:
+    """``app.command``, with SDK errors shown as one red line and exit status 1."""
+
+    def register(func: Callable[P, None]) -> Callable[P, None]:
+        @functools.wraps(func)
+        def run(*args: P.args, **kwargs: P.kwargs) -> None:
+            try:
+                func(*args, **kwargs)
+            except SandboxError as exc:
+                fail(str(exc))
+
+        app.command(name)(run)
+        return run
+
+    return register
+
 
 Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
 SandboxId = Annotated[str, typer.Argument(help="Sandbox id (sbx_...).", show_default=False)]
@@ -54,7 +65,7 @@ class Storage(StrEnum):
 
 
 def fail(message: str) -> None:
-    err.print(f"[red]error:[/red] {message}", markup=True, soft_wrap=True)
+    err.print(f"[red]error:[/red] {escape(message)}", markup=True, soft_wrap=True)
     raise typer.Exit(1)
 
 
@@ -82,7 +93,7 @@ def write_through(stream: Any) -> Any:
     return write
 
 
-@app.command()
+@command()
 def serve(
     data_dir: Annotated[Path, typer.Option(help="Where sandboxes, layers and the socket live.",
                                            envvar="BRANCHBOX_DATA_DIR")]
@@ -117,7 +128,7 @@ def serve(
         pass  # the server has shut down gracefully already
 
 
-@app.command("ls")
+@command("ls")
 def list_sandboxes(as_json: Json = False) -> None:
     """List the live sandboxes."""
     sandboxes = Sandbox.list_all()
@@ -131,7 +142,7 @@ def list_sandboxes(as_json: Json = False) -> None:
     out.print(table)
 
 
-@app.command()
+@command()
 def create(
     image: Annotated[str, typer.Option(help="Image to start from.")] = "default",
     timeout: Annotated[float | None, typer.Option(
@@ -148,7 +159,7 @@ def create(
     sandbox.detach()
 
 
-@app.command()
+@command()
 def run(
     sandbox_id: SandboxId,
     code: Annotated[str, typer.Argument(help="Python code for the sandbox's REPL.")],
@@ -173,7 +184,7 @@ def run(
         raise typer.Exit(1)
 
 
-@app.command("exec", context_settings={"allow_interspersed_args": False})
+@command("exec")
 def exec_command(
     sandbox_id: SandboxId,
     cmd: Annotated[list[str], typer.Argument(
@@ -184,7 +195,10 @@ def exec_command(
     = None,
     as_json: Json = False,
 ) -> None:
-    """Run a command in a sandbox, streaming its output; exit with its exit status."""
+    """Run a command in a sandbox, streaming its output; exit with its exit status.
+
+    Put the command after `--`: branchbox exec ID -- ls -l /root
+    """
     command: str | list[str] = cmd[0] if len(cmd) == 1 else cmd
     with attached(sandbox_id) as sandbox:
         if as_json:
@@ -199,7 +213,7 @@ def exec_command(
     raise typer.Exit(result.exit_code or 0)
 
 
-@app.command()
+@command()
 def fork(
     sandbox_id: SandboxId,
     n: Annotated[int, typer.Option("-n", "--n", help="How many children.")] = 1,
@@ -217,7 +231,7 @@ def fork(
         out.print("\n".join(ids))
 
 
-@app.command()
+@command()
 def diff(
     a: SandboxId,
     b: Annotated[str, typer.Argument(help="The sandbox to compare with A.", show_default=False)],
@@ -237,7 +251,7 @@ def diff(
             out.print(f"[{color}]{mark} {changed}[/{color}]", markup=True)
 
 
-@app.command()
+@command()
 def merge(
     parent: SandboxId,
     winner: Annotated[str, typer.Argument(help="The child whose state the parent takes.",
@@ -251,7 +265,7 @@ def merge(
         emit_json({"merged": winner, "into": parent})
 
 
-@app.command("rm")
+@command("rm")
 def remove(
     sandbox_ids: Annotated[list[str], typer.Argument(help="Sandbox ids.", show_default=False)],
     as_json: Json = False,

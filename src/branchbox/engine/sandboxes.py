@@ -26,7 +26,7 @@ from branchbox.engine.config import EngineConfig
 from branchbox.engine.layers import FrozenLayer, Layers, LayerStack
 from branchbox.engine.records import Records, SandboxRecord
 from branchbox.runtime import rootfs
-from branchbox.runtime.cgroups import Limits, SandboxCgroup
+from branchbox.runtime.cgroups import Limits, SandboxCgroup, favor_dynamic_moves
 from branchbox.runtime.channel import AgentChannel, AgentError
 from branchbox.runtime.family import Family, spawn_family
 from branchbox.storage.layerdiff import diff_layers
@@ -98,6 +98,7 @@ class Engine:
         # descendant whose intermediate ancestors are closed can still be merged.
         self._lineage: dict[str, tuple[str, int]] = {}
         self._generations = itertools.count(1)
+        self._unfavor = None
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -105,6 +106,7 @@ class Engine:
         for sub in ("run/attach", "logs"):
             (cfg.data_dir / sub).mkdir(parents=True, exist_ok=True)
         self.records = Records(cfg.data_dir / "sandboxes.db")
+        self._unfavor = favor_dynamic_moves(cfg.data_dir / "run" / "cgroup-favor")
         self._reap_leftovers()
         self.store = choose_backend(cfg.data_dir, cfg.storage)
         self.layers = Layers(self.store.backend, self.store.root)
@@ -130,6 +132,8 @@ class Engine:
             with contextlib.suppress(errors.EngineError):
                 await self.close(sid)
         SandboxCgroup.remove_group(self.config.cgroup_group)
+        if self._unfavor is not None:
+            self._unfavor()
         if self.store is not None:
             self.store.close()
         if self.records is not None:

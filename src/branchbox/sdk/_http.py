@@ -9,7 +9,7 @@ with the httpx exception chained, so callers catch one hierarchy.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -74,7 +74,7 @@ class Api:
             await reply.aread()
         return reply.json() if reply.content else None
 
-    async def lines(self, method: str, path: str, **kwargs: Any) -> AsyncIterator[dict]:
+    async def lines(self, method: str, path: str, **kwargs: Any) -> AsyncGenerator[dict, None]:
         """The objects of an NDJSON reply, as they arrive."""
         async with self.stream(method, path, **kwargs) as reply:
             async for line in reply.aiter_lines():

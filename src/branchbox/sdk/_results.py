@@ -8,7 +8,7 @@ command), or with an ``error`` line if it failed after it had started.
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,7 +63,7 @@ class Output:
     final: dict
 
 
-async def collect(lines: AsyncIterator[dict], on_stdout: OutputCallback | None,
+async def collect(lines: AsyncGenerator[dict, None], on_stdout: OutputCallback | None,
                   on_stderr: OutputCallback | None) -> Output:
     """Read a run's stream to its end, passing output to the callbacks as it comes."""
     parts: dict[str, list[str]] = {"stdout": [], "stderr": []}

@@ -55,6 +55,7 @@ async def kill_command(sandbox_id: str, pid: int, engine: EngineDep,
 @router.post("/exec")
 async def podflare_exec(sandbox_id: str, body: PodflareExec, engine: EngineDep) -> Response:
     """Podflare's exec: Python (in the REPL) or a bash script, as ``{type, data, seq, ts}``."""
+    args: dict[str, object]
     if body.language == "python":
         op, args = "run_code", {"code": body.code}
     else:

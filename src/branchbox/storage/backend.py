@@ -206,7 +206,10 @@ def _mount_store(image: Path, mountpoint: Path) -> str:
     try:
         if not loopback.has_btrfs_signature(image):
             loopback.format_btrfs(image, label="branchbox")
-        return loopback.mount_image(image, mountpoint, "btrfs")
+        # No write barriers: the store holds only the layers of live sandboxes, which die
+        # with the daemon and which a restarted daemon deletes, and a barrier (a flush of
+        # the backing file) is most of what a snapshot costs: 0.6 ms without, 2-3 ms with.
+        return loopback.mount_image(image, mountpoint, "btrfs", "nobarrier")
     except OSError as exc:
         reason = {
             errno.ENODEV: "the kernel has no btrfs support (modprobe btrfs)",
