@@ -90,7 +90,7 @@ def daemon() -> Iterator[str]:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        shutil.rmtree(data_dir, ignore_errors=True)
+        shutil.rmtree(data_dir)
 
 
 @pytest.fixture
@@ -310,7 +310,7 @@ def test_sync_face_over_asgi_transport() -> None:
             assert sb.files.read("/root/x") == b"y"
     finally:
         portal.run(lifespan.__aexit__(None, None, None))
-        shutil.rmtree(data_dir, ignore_errors=True)
+        shutil.rmtree(data_dir)
 
 
 # --------------------------------------------------------------- starting the local daemon
@@ -329,7 +329,7 @@ def test_starts_local_daemon_when_none_answers(monkeypatch: pytest.MonkeyPatch) 
         assert "branchbox listening on" in (data_dir / "daemon.log").read_text()
     finally:
         stop_daemon_of(data_dir)
-        shutil.rmtree(data_dir, ignore_errors=True)
+        shutil.rmtree(data_dir)
 
 
 def stop_daemon_of(data_dir: Path) -> None:

@@ -38,7 +38,7 @@ def engine() -> Iterator[Engine]:
     data_dir = Path(tempfile.mkdtemp(prefix="branchbox-server-test-"))
     data_dir.chmod(0o755)
     yield Engine(EngineConfig(data_dir=data_dir, storage="copy"))
-    shutil.rmtree(data_dir, ignore_errors=True)
+    shutil.rmtree(data_dir)
 
 
 def client_for(app: object) -> httpx.AsyncClient:
@@ -251,6 +251,31 @@ async def test_command_errors_before_output_are_http_errors(client: httpx.AsyncC
                  "InvalidRequest")
 
 
+async def test_failure_after_output_ends_the_stream_with_an_error_line(
+        client: httpx.AsyncClient, sandbox: str) -> None:
+    path = f"/v1/sandboxes/{sandbox}/commands"
+    lines = await ndjson(client, path, {"cmd": "echo started; sleep 60", "timeout": 1})
+    assert output(lines) == "started\n"
+    assert lines[-1] == {"type": "error", "error": lines[-1]["error"], "kind": "SandboxTimeout",
+                         "status": 408}
+    # Before any output, the same failure is an ordinary HTTP error.
+    assert_error(await client.post(path, json={"cmd": "sleep 60", "timeout": 1}), 408,
+                 "SandboxTimeout")
+
+
+async def test_unexpected_failures_are_500_with_the_cause(engine: Engine) -> None:
+    app = create_app(engine)
+
+    async def broken() -> None:
+        raise RuntimeError("boom")
+
+    app.add_api_route("/v1/broken", broken)
+    transport = httpx.ASGITransport(app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://branchbox") as http:
+        message = assert_error(await http.get("/v1/broken"), 500, "SandboxError")
+    assert message == "internal error: RuntimeError: boom"
+
+
 async def test_background_command_wait_and_kill(client: httpx.AsyncClient, sandbox: str) -> None:
     base = f"/v1/sandboxes/{sandbox}/commands"
     pid = (await client.post(base, json={"cmd": "echo done", "background": True})).json()["pid"]
@@ -326,6 +351,13 @@ async def test_upload_limit(engine: Engine, sandbox: str) -> None:
         path = f"/v1/sandboxes/{sandbox}/files"
         reply = await small.put(path, params={"path": "/root/limited"}, content=b"x" * 1001)
         assert "1000 bytes" in assert_error(reply, 413, "PayloadTooLarge")
+
+        async def chunked() -> AsyncIterator[bytes]:  # no Content-Length to refuse up front
+            for _ in range(3):
+                yield b"x" * 600
+
+        reply = await small.put(path, params={"path": "/root/limited"}, content=chunked())
+        assert_error(reply, 413, "PayloadTooLarge")
         assert (await small.put(path, params={"path": "/root/limited"},
                                 content=b"x" * 1000)).status_code == 200
 

@@ -70,7 +70,8 @@ def fail(message: str) -> None:
 
 
 def emit_json(value: Any) -> None:
-    out.print_json(json.dumps(value, default=str))
+    """One line of JSON, for programs to read."""
+    print(json.dumps(value, default=str), flush=True)
 
 
 @contextmanager

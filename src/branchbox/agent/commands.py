@@ -28,6 +28,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from functools import partial
 from typing import IO
 
@@ -243,7 +244,10 @@ def _fit(
         stdout, stderr = cut_out, cut_err
 
 
-def _spawn(req: dict, on_spawn: Callable[[int], None] | None) -> tuple[subprocess.Popen, str, bool]:
+SpawnContext = Callable[[], AbstractContextManager[Callable[[int], None] | None]]
+
+
+def _spawn(req: dict, spawning: SpawnContext | None) -> tuple[subprocess.Popen, str, bool]:
     """Start the command of an exec request; returns (process, display text, via bash?)."""
     cmd = req.get("cmd")
     if isinstance(cmd, str) and cmd:
@@ -261,16 +265,19 @@ def _spawn(req: dict, on_spawn: Callable[[int], None] | None) -> tuple[subproces
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise RequestError("InvalidRequest", "field 'env' must map strings to strings")
     try:
-        proc = subprocess.Popen(
-            argv,
-            cwd=cwd,
-            env={**os.environ, **env},
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            bufsize=0,
-            start_new_session=True,
-        )
+        with spawning() if spawning else contextlib.nullcontext(None) as adopt:
+            proc = subprocess.Popen(
+                argv,
+                cwd=cwd,
+                env={**os.environ, **env},
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                bufsize=0,
+                start_new_session=True,
+            )
+            if adopt is not None:
+                adopt(proc.pid)
     except ValueError as exc:  # NUL in an argument, "=" in a variable name
         raise RequestError("InvalidRequest", str(exc)) from exc
     except OSError as exc:
@@ -281,21 +288,20 @@ def _spawn(req: dict, on_spawn: Callable[[int], None] | None) -> tuple[subproces
         if exc.errno in (errno.EACCES, errno.ENOEXEC, errno.E2BIG):
             raise RequestError("InvalidRequest", f"cannot run {argv[0]}: {exc.strerror}") from exc
         raise
-    if on_spawn is not None:
-        on_spawn(proc.pid)
     return proc, display, shell
 
 
 class Commands:
     """This process's commands, and the handlers of exec, wait, kill and ps."""
 
-    def __init__(self, agent: Agent, on_spawn: Callable[[int], None] | None = None) -> None:
-        """``on_spawn(pid)`` runs right after each command starts (to move it into the
-        sandbox's commands cgroup, so it is frozen during a fork). A hook after the spawn
-        rather than a preexec_fn, because a preexec_fn stops Popen from using vfork, and
-        fork() of a large REPL costs milliseconds per command."""
+    def __init__(self, agent: Agent, spawning: SpawnContext | None = None) -> None:
+        """``spawning()`` is entered around each command's start: it may switch the PID
+        namespace new processes are born in, and yields ``adopt(pid)``, called once the
+        command exists (to move it into the sandbox's commands cgroup). Hooks around the
+        spawn rather than a preexec_fn, because a preexec_fn stops Popen from using vfork,
+        and fork() of a large REPL costs milliseconds per command."""
         self.agent = agent
-        self.on_spawn = on_spawn
+        self.spawning = spawning
         self.background: dict[int, Command] = {}  # until a wait has collected the result
         self.foreground: set[Command] = set()
         agent.at_fork(self._forget)
@@ -306,7 +312,7 @@ class Commands:
         background = param(req, "background", bool, False)
         timeout = timeout_param(req)
         limit = output_limit(req)
-        proc, display, shell = _spawn(req, self.on_spawn)
+        proc, display, shell = _spawn(req, self.spawning)
         command = Command(
             self,
             proc,

@@ -9,7 +9,10 @@ order matters:
 1. join the sandbox's cgroups (fds opened by the daemon), so everything the
    sandbox later starts is limited and killable as one;
 2. unshare mount, network, UTS, IPC and PID namespaces (the new PID namespace
-   Q is for the sandbox's commands; the REPL itself stays flat in P);
+   Q is for the sandbox's commands; the REPL itself stays flat in P, and
+   after Q's init exists it points pid_for_children back at P, because no
+   thread can be created while pid_for_children differs from the process's
+   own namespace — commands are started in Q explicitly);
 3. make every mount private, so nothing propagates back to the parent;
 4. hostname = sandbox id, loopback up;
 5. attach the root tree the daemon built (a detached overlay mount);
@@ -150,6 +153,11 @@ def enter_sandbox(
         os.close(ready_r)
         _q_init(attach, ready_w, cmds_cgroup_fds)
     os.close(ready_w)
+    # Back to P for everything else the REPL starts: the kernel refuses to create
+    # threads while pid_for_children differs from the process's own PID namespace.
+    own = os.pidfd_open(os.getpid())
+    sysc.setns(own, sysc.CLONE_NEWPID)
+    os.close(own)
     answer = os.read(ready_r, 4096)
     os.close(ready_r)
     if answer != b"\0":

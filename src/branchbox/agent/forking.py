@@ -6,16 +6,16 @@ socket and cgroup fds, over SCM_RIGHTS), then ``fork``. The REPL:
 1. looks at its own fds and thread count through a private, momentary mount
    of its family's /proc (its regular /proc shows the command namespace Q,
    where the REPL itself does not appear);
-2. points ``pid_for_children`` back at the family namespace P with
-   ``setns(pidfd(self), CLONE_NEWPID)``, so children are flat in P — a
-   namespace per generation would stop at 32 levels and tie a child's life
-   to its parent's;
+2. relies on ``pid_for_children`` being the family namespace P (it is, except
+   while a command starts: see :func:`command_spawning`), so children are
+   flat in P — a namespace per generation would stop at 32 levels and tie a
+   child's life to its parent's;
 3. ``fork()``s once per slot. Memory is shared copy-on-write by the kernel:
    nothing is serialized. Each child enters its sandbox (``entry``), restores
    the working directory, re-opens inherited regular files in its own root at
    the same offsets (so its writes never land in the parent's files), closes
    inherited sockets, and serves its own control socket;
-4. restores ``pid_for_children`` to Q and answers with the children's pids.
+4. answers with the children's pids.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import re
 import signal
 import socket
 import stat
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from . import entry, protocol, sysc
@@ -49,7 +50,8 @@ class _Slot:
 
 @dataclass
 class _State:
-    qinit_pidfd: int = -1
+    qinit_pidfd: int = -1  # Q's init: setns() to it makes new processes commands
+    family_pidfd: int = -1  # ourselves: setns() to it makes new processes land in P
     cmds_cgroup: list[int] = field(default_factory=list)
     slots: list[_Slot] = field(default_factory=list)
     warning: str | None = None
@@ -61,6 +63,7 @@ STATE = _State()
 def boot(ctrl_fd: int, qinit_pid: int, cmds_cgroup: list[int]) -> None:
     """Entry point of a family's first REPL, right after exec into the image's python3."""
     STATE.qinit_pidfd = os.pidfd_open(qinit_pid)
+    STATE.family_pidfd = os.pidfd_open(os.getpid())
     STATE.cmds_cgroup = list(cmds_cgroup)
     for fd in (ctrl_fd, *cmds_cgroup):
         os.set_inheritable(fd, False)
@@ -69,8 +72,19 @@ def boot(ctrl_fd: int, qinit_pid: int, cmds_cgroup: list[int]) -> None:
     run(ctrl_fd)
 
 
-def adopt_command(pid: int) -> None:
-    """Move a command the REPL just started into the sandbox's cmds cgroup."""
+@contextlib.contextmanager
+def command_spawning() -> Iterator[Callable[[int], None]]:
+    """Around the start of a command: born in Q (the sandbox's command namespace), then
+    moved into the cmds cgroup. The REPL's own default stays P, because the kernel refuses
+    to create threads while a process's pid_for_children differs from its own namespace."""
+    sysc.setns(STATE.qinit_pidfd, sysc.CLONE_NEWPID)
+    try:
+        yield _adopt
+    finally:
+        sysc.setns(STATE.family_pidfd, sysc.CLONE_NEWPID)
+
+
+def _adopt(pid: int) -> None:
     for fd in STATE.cmds_cgroup:
         with contextlib.suppress(ProcessLookupError):  # it may already have exited
             os.write(fd, str(pid).encode())
@@ -162,6 +176,7 @@ def _become_child(
             slot.tree, entry.ATTACH, slot.sandbox_id, slot.repl_cgroup, slot.cmds_cgroup
         )
         STATE.qinit_pidfd = os.pidfd_open(qinit)
+        STATE.family_pidfd = os.pidfd_open(os.getpid())
         STATE.cmds_cgroup = slot.cmds_cgroup
         STATE.slots = []
         STATE.warning = warning
@@ -215,7 +230,8 @@ def handle_fork(agent, req: dict, payload: bytes, fds: list[int]) -> None:
     if not slots:
         agent.fail(req["rid"], "InvalidRequest", "fork without fork_slot")
         return
-    skip = {agent.sock.fileno(), STATE.qinit_pidfd, *STATE.cmds_cgroup}
+    inherited = [STATE.qinit_pidfd, STATE.family_pidfd, *STATE.cmds_cgroup]
+    skip = {agent.sock.fileno(), *inherited}
     for slot in slots:
         skip.update(slot.fds())
     files, sockets, threads = _inspect_fds(skip)
@@ -228,15 +244,12 @@ def handle_fork(agent, req: dict, payload: bytes, fds: list[int]) -> None:
         else None
     )
     cwd = os.getcwd()
-    family_ns = os.pidfd_open(os.getpid())
     parent = os.getpid()
     pids: list[int] = []
-    sysc.setns(family_ns, sysc.CLONE_NEWPID)
     try:
         for i, slot in enumerate(slots):
-            pid = _fork_flat()
+            pid = _fork_flat()  # born in P: pid_for_children is P outside command_spawning
             if pid == 0:
-                inherited = [family_ns, STATE.qinit_pidfd, *STATE.cmds_cgroup]
                 _become_child(
                     agent, slot, slots[:i] + slots[i + 1 :], inherited, files, sockets, cwd, warning
                 )
@@ -244,8 +257,6 @@ def handle_fork(agent, req: dict, payload: bytes, fds: list[int]) -> None:
             pids.append(pid)
     finally:
         if os.getpid() == parent:
-            sysc.setns(STATE.qinit_pidfd, sysc.CLONE_NEWPID)
-            os.close(family_ns)
             for slot in slots:
                 for fd in slot.fds():
                     os.close(fd)

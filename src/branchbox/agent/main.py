@@ -14,7 +14,7 @@ import socket
 import types
 from collections.abc import Callable
 
-from .commands import Commands
+from .commands import Commands, SpawnContext
 from .files import (
     Uploads,
     handle_exists,
@@ -23,18 +23,18 @@ from .files import (
     handle_remove,
     handle_stat,
 )
-from .forking import handle_fork, handle_fork_slot, handle_sethostname, adopt_command
+from .forking import handle_fork, handle_fork_slot, handle_sethostname, command_spawning
 from .repl import Repl
 from .server import Agent, handle_ping
 
 
-def register_ops(agent: Agent, on_spawn: Callable[[int], None] | None = None) -> None:
+def register_ops(agent: Agent, spawning: SpawnContext | None = None) -> None:
     """Register the ops that need no sandbox around the process (all but the fork family).
 
-    ``on_spawn(pid)`` runs for every ``exec`` command right after it starts.
+    ``spawning`` is entered around the start of every ``exec`` command.
     """
     repl = Repl(agent)
-    commands = Commands(agent, on_spawn)
+    commands = Commands(agent, spawning)
     uploads = Uploads(agent)
     agent.register("ping", handle_ping)
     agent.register("run_code", repl.handle_run_code)
@@ -61,7 +61,7 @@ def run(ctrl_fd: int) -> None:
     # handler rather than SIG_IGN, because an ignored SIGINT would be inherited by commands.
     signal.signal(signal.SIGINT, _ignore_signal)
     agent = Agent(sock)
-    register_ops(agent, on_spawn=adopt_command)
+    register_ops(agent, spawning=command_spawning)
     agent.register("fork_slot", handle_fork_slot)
     agent.register("fork", handle_fork)
     agent.register("sethostname", handle_sethostname)

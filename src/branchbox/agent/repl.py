@@ -41,6 +41,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from .forking import take_warning as take_fork_warning
 from .server import Agent, OutputLimit, output_limit, param, timeout_param
 
 MAX_REPR = 1024 * 1024
@@ -279,6 +280,7 @@ class Repl:
                 "truncated": call.limit.truncated,
                 "timed_out": outcome.timed_out,
                 "duration": time.monotonic() - started,
+                "warnings": [w for w in (take_fork_warning(),) if w],
             },
         )
 

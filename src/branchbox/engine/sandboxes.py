@@ -43,6 +43,10 @@ DEFAULT_ENV = {
     "TERM": "xterm",
     "MPLBACKEND": "Agg",
 }
+# An empty directory where a new family's first sandbox attaches its root before
+# pivot_root. Outside the data directory on purpose: the launcher resolves it as the
+# sandbox's mapped root, which may not traverse a private data directory's parents.
+ATTACH_DIR = Path("/run/branchbox/attach")
 # Frozen layers a root may stack before a fork squashes them into one.
 MAX_CHAIN = 16
 DEFAULT_DIFF_PATHS = ("/root", "/tmp")
@@ -99,12 +103,14 @@ class Engine:
         self._lineage: dict[str, tuple[str, int]] = {}
         self._generations = itertools.count(1)
         self._unfavor = None
+        self._expiring: set[asyncio.Task] = set()
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         cfg = self.config
-        for sub in ("run/attach", "logs"):
+        for sub in ("run", "logs"):
             (cfg.data_dir / sub).mkdir(parents=True, exist_ok=True)
+        ATTACH_DIR.mkdir(parents=True, exist_ok=True)
         self.records = Records(cfg.data_dir / "sandboxes.db")
         self._unfavor = favor_dynamic_moves(cfg.data_dir / "run" / "cgroup-favor")
         self._reap_leftovers()
@@ -128,6 +134,8 @@ class Engine:
             self.layers.backend.delete(path)
 
     async def stop(self) -> None:
+        if self._expiring:
+            await asyncio.gather(*self._expiring, return_exceptions=True)
         for sid in list(self.live):
             with contextlib.suppress(errors.EngineError):
                 await self.close(sid)
@@ -221,7 +229,7 @@ class Engine:
                 hostname=sid,
                 env=full_env,
                 cwd=cwd,
-                attach=self.config.data_dir / "run" / "attach",
+                attach=ATTACH_DIR,
                 log_path=self.config.data_dir / "logs" / f"{sid}.log",
                 timeout=self.config.spawn_timeout,
             )
@@ -251,7 +259,13 @@ class Engine:
                 timeout, lambda: asyncio.ensure_future(self._expire(sb.id))
             )
 
-    async def _expire(self, sandbox_id: str) -> None:
+    def _expire(self, sandbox_id: str) -> None:
+        """A sandbox's timeout ran out: close it (stop() waits for closes under way)."""
+        task = asyncio.get_running_loop().create_task(self._close_quietly(sandbox_id))
+        self._expiring.add(task)
+        task.add_done_callback(self._expiring.discard)
+
+    async def _close_quietly(self, sandbox_id: str) -> None:
         with contextlib.suppress(errors.EngineError):
             await self.close(sandbox_id)
 

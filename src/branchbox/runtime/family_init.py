@@ -73,6 +73,9 @@ def main() -> None:
         os.setresgid(0, 0, 0)
         os.setresuid(0, 0, 0)
         os.setgroups([])
+        # The kernel clears the parent-death signal when credentials change: re-arm it,
+        # or a daemon that dies would leave this family running.
+        sysc.prctl(sysc.PR_SET_PDEATHSIG, signal.SIGKILL)
         sysc.unshare(sysc.CLONE_NEWPID)
         init_pid = os.fork()
     except BaseException as exc:  # noqa: BLE001

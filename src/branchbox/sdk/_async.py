@@ -50,10 +50,9 @@ class AsyncSandbox:
         it); ``url``/``api_key`` override ``$BRANCHBOX_URL``/``$BRANCHBOX_API_KEY``;
         ``transport`` is handed to httpx (tests pass ``httpx.ASGITransport(app)``).
         """
-        spec = {"image": image, "env": env, "cwd": cwd, "timeout": timeout, "egress": egress,
-                "memory_mb": memory_mb,
-                "workspace": None if workspace is None else str(Path(workspace).absolute())}
-        self._spec: dict[str, Any] | None = {k: v for k, v in spec.items() if v is not None}
+        self._spec: dict[str, Any] | None = _given(
+            image=image, env=env, cwd=cwd, timeout=timeout, egress=egress, memory_mb=memory_mb,
+            workspace=None if workspace is None else str(Path(workspace).absolute()))
         self._bind(Api(url, api_key, transport), None, None, "new")
 
     def _bind(self, api: Api, sandbox_id: str | None, parent_id: str | None,
@@ -133,7 +132,7 @@ class AsyncSandbox:
         seconds the code is interrupted (the REPL keeps its state) and ``SandboxTimeout``
         is raised.
         """
-        body = {"code": code} if timeout is None else {"code": code, "timeout": timeout}
+        body = _given(code=code, timeout=timeout)
         out = await collect(self._api.lines("POST", self._url("/run_code"), json=body),
                             on_stdout, on_stderr)
         return execution(out, timeout)
@@ -149,8 +148,7 @@ class AsyncSandbox:
         ``background=True`` at once a handle to ``wait()`` for or ``kill()`` it. Raises
         ``CommandNotFound`` if the program does not exist in the sandbox.
         """
-        body = {k: v for k, v in {"cmd": cmd, "cwd": cwd, "env": env, "timeout": timeout}.items()
-                if v is not None}
+        body = _given(cmd=cmd, cwd=cwd, env=env, timeout=timeout)
         if background:
             reply = await self._api.call("POST", self._url("/commands"),
                                          json={**body, "background": True})
@@ -173,9 +171,7 @@ class AsyncSandbox:
     async def diff(self, other: AsyncSandbox | str,
                    paths: builtins.list[str] | None = None) -> dict[str, builtins.list[str]]:
         """``{"added", "removed", "modified"}``: paths as they differ in ``other``."""
-        body: dict[str, Any] = {"other": other if isinstance(other, str) else other.id}
-        if paths is not None:
-            body["paths"] = paths
+        body = _given(other=other if isinstance(other, str) else other.id, paths=paths)
         return await self._api.call("POST", self._url("/diff"), json=body)
 
     async def commit(self) -> dict:
@@ -223,9 +219,8 @@ class AsyncCommandHandle:
 
     async def wait(self, timeout: float | None = None) -> CommandResult:
         """Its result once it exits (``SandboxTimeout`` if that takes over ``timeout`` s)."""
-        body = {} if timeout is None else {"timeout": timeout}
         reply = await self.sandbox._api.call(
-            "POST", self.sandbox._url(f"/commands/{self.pid}/wait"), json=body)
+            "POST", self.sandbox._url(f"/commands/{self.pid}/wait"), json=_given(timeout=timeout))
         return command_result(Output(reply.get("stdout", ""), reply.get("stderr", ""), reply),
                               timeout)
 
@@ -236,3 +231,8 @@ class AsyncCommandHandle:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} pid={self.pid} in {self.sandbox._id}>"
+
+
+def _given(**fields: Any) -> dict[str, Any]:
+    """A request body of the arguments that were given: None means the server's default."""
+    return {name: value for name, value in fields.items() if value is not None}

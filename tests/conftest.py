@@ -1,0 +1,126 @@
+"""Shared fixtures: a real engine per storage backend, driven through the public SDK.
+
+The engine runs on the SDK's portal loop and the SDK talks to the FastAPI app
+in-process (httpx.ASGITransport): real namespaces, cgroups, mounts and
+processes, without a socket in between. Tests that need a daemon process
+start one themselves (test_sdk_sandbox.py).
+
+At the end of the session a check fails the run if anything a test created
+is still around: mounts, cgroups, loop devices or sandbox processes.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from branchbox import Sandbox
+from branchbox.engine.config import EngineConfig
+from branchbox.engine.sandboxes import Engine
+from branchbox.runtime.cgroups import CGROUP_ROOT
+from branchbox.sdk._portal import portal
+from branchbox.server.app import create_app
+
+BACKENDS = ("btrfs", "copy")
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        pytest.fail("these tests need root: sandboxes are namespaces, cgroups and mounts")
+
+
+class Harness:
+    """One started engine and a factory of SDK sandboxes bound to it."""
+
+    def __init__(self, backend: str) -> None:
+        require_root()
+        self.data_dir = Path(tempfile.mkdtemp(prefix=f"branchbox-test-{backend}-"))
+        self.engine = Engine(EngineConfig(data_dir=self.data_dir, storage=backend))
+        portal.run(self.engine.start())
+        if self.engine.store.backend.name != backend:
+            pytest.fail(f"asked for the {backend} backend, got {self.engine.store.backend.name}")
+        self.app = create_app(self.engine)
+        self.backend = backend
+
+    def transport(self) -> httpx.ASGITransport:
+        return httpx.ASGITransport(app=self.app)
+
+    def sandbox(self, **kwargs) -> Sandbox:
+        return Sandbox(transport=self.transport(), **kwargs)
+
+    def host_path(self, sb: Sandbox, path: str) -> Path:
+        """Where a file the sandbox wrote lands on the host: its writable layer."""
+        return self.engine.get(sb.id).body.layers.volume / "upper" / path.lstrip("/")
+
+    def stop(self) -> None:
+        portal.run(self.engine.stop())
+
+
+@pytest.fixture(scope="session", params=BACKENDS)
+def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
+    h = Harness(request.param)
+    yield h
+    h.stop()
+
+
+@pytest.fixture
+def sandbox(harness: Harness) -> Iterator[Sandbox]:
+    with harness.sandbox() as sb:
+        yield sb
+
+
+@pytest.fixture
+def make(harness: Harness) -> Iterator[Callable[..., Sandbox]]:
+    """Create sandboxes that are closed at the end of the test, whatever happens."""
+    made: list[Sandbox] = []
+
+    def factory(**kwargs) -> Sandbox:
+        sb = harness.sandbox(**kwargs)
+        made.append(sb)
+        return sb
+
+    yield factory
+    for sb in made:
+        sb.close()
+
+
+def _leftovers() -> list[str]:
+    found = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        if "branchbox-test-" in line:
+            found.append("mount: " + line)
+    for controller in ("memory", "pids", "cpu", "freezer", ""):
+        base = CGROUP_ROOT / controller / "branchbox"
+        if base.is_dir():
+            found += [f"cgroup: {p}" for p in base.glob("*/*") if p.is_dir()]
+    for dev in Path("/sys/block").glob("loop*"):
+        backing = dev / "loop" / "backing_file"
+        if backing.exists() and "branchbox-test-" in backing.read_text():
+            found.append(f"loop device: {dev.name} -> {backing.read_text().strip()}")
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        try:
+            name = comm.read_text().strip()
+        except OSError:
+            continue
+        if name in ("bb-launcher", "bb-family", "bb-init"):
+            found.append(f"process: {comm.parent.name} {name}")
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After the whole suite: no mount, cgroup, loop device or sandbox process is left."""
+    yield
+    # Session fixtures (the engines) are finalized before this one, which was set up first.
+    # A family's init dies just after its launcher, asynchronously: allow it a moment.
+    deadline = time.monotonic() + 3
+    while (leaks := _leftovers()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if leaks:
+        pytest.fail("the test suite left these behind:\n" + "\n".join(leaks), pytrace=False)

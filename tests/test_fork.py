@@ -1,0 +1,239 @@
+"""fork(n), merge_into and diff on both storage backends."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from branchbox import InvalidRequest, Sandbox, SandboxNotFound, StaleBranchError
+from branchbox.engine import sandboxes as engine_sandboxes
+from branchbox.runtime import cgroups
+from branchbox.sdk._portal import portal
+
+
+def close_all(*groups) -> None:
+    for group in groups:
+        for sb in group if isinstance(group, list) else [group]:
+            sb.close()
+
+
+def test_the_headline_example(harness) -> None:
+    with harness.sandbox() as parent:
+        parent.run_code("import pandas as pd\ndf = pd.DataFrame({'a': range(1_000_000)})")
+        children = parent.fork(n=5)
+        for i, c in enumerate(children):
+            c.run_code(f"df['a'] = df['a'] * {i}")
+        assert parent.run_code("int(df.a.sum())").text == str(sum(range(1_000_000)))
+        for i, c in enumerate(children):
+            assert c.run_code("int(df.a.sum())").text == str(i * sum(range(1_000_000)))
+        a, b = parent.fork(n=2)
+        a.run_code("open('/root/a.txt','w').write('from a')")
+        b.run_code("open('/root/b.txt','w').write('from b')")
+        assert a.diff(b) == {"added": ["/root/b.txt"], "removed": ["/root/a.txt"],
+                             "modified": []}
+        parent.merge_into(children[3])
+        assert parent.run_code("int(df.a.sum())").text == str(3 * sum(range(1_000_000)))
+        assert parent.exec("hostname").stdout.strip() == parent.id
+        with pytest.raises(SandboxNotFound):
+            Sandbox.connect(children[3].id, transport=harness.transport())
+        children[3].close()  # a no-op after the merge
+        close_all(children, a, b)
+
+
+def test_children_inherit_env_cwd_and_open_files(sandbox) -> None:
+    sandbox.run_code(
+        "import os, socket\n"
+        "os.environ['BRANCH'] = 'inherited'\n"
+        "os.chdir('/tmp')\n"
+        "log = open('/root/log.txt', 'a+')\n"
+        "log.write('parent\\n'); log.flush()\n"
+        "srv = socket.socket(); srv.bind(('127.0.0.1', 0)); srv.listen()\n")
+    (child,) = sandbox.fork(1)
+    r = child.run_code("(os.environ['BRANCH'], os.getcwd())")
+    assert r.text == "('inherited', '/tmp')"
+    child.run_code("log.write('child\\n'); log.flush()")
+    sandbox.run_code("log.write('parent again\\n'); log.flush()")
+    assert child.files.read("/root/log.txt") == b"parent\nchild\n"
+    assert sandbox.files.read("/root/log.txt") == b"parent\nparent again\n"
+    # sockets are not inherited: the child's copy is closed
+    assert child.run_code("srv.getsockname()").error is not None
+    assert sandbox.run_code("srv.getsockname()[0]").text == "'127.0.0.1'"
+    child.close()
+
+
+def test_each_child_is_its_own_sandbox(sandbox) -> None:
+    sandbox.exec("sleep 300", background=True)
+    kids = sandbox.fork(3)
+    names = {k.exec("hostname").stdout.strip() for k in kids}
+    assert names == {k.id for k in kids}
+    assert all(k.parent_id == sandbox.id for k in kids)
+    # the parent's background command is not carried over
+    assert "sleep" not in kids[0].exec("ps -e -o comm=").stdout
+    assert "sleep" in sandbox.exec("ps -e -o comm=").stdout
+    # files written after the fork are private to each side
+    kids[0].files.write("/root/only-kid0", b"x")
+    sandbox.files.write("/root/only-parent", b"x")
+    assert not kids[1].files.exists("/root/only-kid0")
+    assert not kids[1].files.exists("/root/only-parent")
+    assert not sandbox.files.exists("/root/only-kid0")
+    # kill -9 of everything one child runs touches neither its sibling nor the parent
+    kids[0].exec("kill -9 -1 || true")
+    assert kids[1].run_code("'ok'").text == "'ok'"
+    assert sandbox.run_code("'ok'").text == "'ok'"
+    assert kids[0].run_code("'still here'").text == "'still here'"
+    close_all(kids)
+
+
+def test_children_outlive_their_parent(harness) -> None:
+    parent = harness.sandbox()
+    parent.run_code("secret = 'from parent'")
+    kids = parent.fork(2)
+    parent.close()
+    assert kids[0].run_code("secret").text == "'from parent'"
+    grandkids = kids[0].fork(1)
+    kids[0].close()
+    assert grandkids[0].run_code("secret").text == "'from parent'"
+    close_all(kids, grandkids)
+
+
+def test_threads_at_fork_time_are_reported(sandbox) -> None:
+    sandbox.run_code("import threading, time\n"
+                     "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()")
+    (child,) = sandbox.fork(1)
+    first = child.run_code("1")
+    assert first.warnings and "thread" in first.warnings[0]
+    assert not child.run_code("2").warnings
+    child.close()
+
+
+def test_n_is_validated_and_nothing_is_created(sandbox, harness) -> None:
+    before = len(harness.engine.live)
+    for n in (0, 33, -1):
+        with pytest.raises(InvalidRequest, match="n must be between 1 and 32"):
+            sandbox.fork(n)
+    assert len(harness.engine.live) == before
+
+
+def test_failed_child_creation_cleans_up(sandbox, harness, monkeypatch) -> None:
+    before = set(harness.engine.live)
+    volumes = set(harness.engine.layers.root.iterdir())
+    real_create = cgroups.SandboxCgroup.create
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(28, "No space left on device (injected)")
+        return real_create(*args, **kwargs)
+
+    monkeypatch.setattr(engine_sandboxes.SandboxCgroup, "create", flaky)
+    with pytest.raises(Exception, match="injected"):
+        sandbox.fork(4)
+    monkeypatch.undo()
+    assert set(harness.engine.live) == before
+    assert set(harness.engine.layers.root.iterdir()) == volumes
+    assert sandbox.run_code("'parent fine'").text == "'parent fine'"
+
+
+def test_fork_waits_for_a_busy_repl_or_says_409(sandbox, harness) -> None:
+    runner = threading.Thread(target=sandbox.run_code, args=("import time; time.sleep(1.5)",))
+    runner.start()
+    time.sleep(0.3)
+    (child,) = sandbox.fork(1)  # waits for the running call
+    runner.join()
+    child.close()
+    harness.engine.config.busy_wait = 0.2
+    try:
+        runner = threading.Thread(target=sandbox.run_code, args=("time.sleep(2)",))
+        runner.start()
+        time.sleep(0.3)
+        from branchbox import Conflict
+
+        with pytest.raises(Conflict, match="busy"):
+            sandbox.fork(1)
+        runner.join()
+    finally:
+        harness.engine.config.busy_wait = 30.0
+
+
+def test_merge_rules(harness) -> None:
+    with harness.sandbox() as parent, harness.sandbox() as stranger:
+        a, b = parent.fork(2)
+        with pytest.raises(InvalidRequest, match="itself"):
+            parent.merge_into(parent)
+        with pytest.raises(InvalidRequest, match="descendant"):
+            parent.merge_into(stranger)
+        a.run_code("winner = 'a'")
+        parent.merge_into(a)
+        assert parent.run_code("winner").text == "'a'"
+        with pytest.raises(StaleBranchError):
+            parent.merge_into(b)  # first merge wins
+        # a grandchild forked after the merge may win the next round
+        (c,) = parent.fork(1)
+        (gc,) = c.fork(1)
+        gc.run_code("winner = 'grandchild'")
+        parent.merge_into(gc)
+        assert parent.run_code("winner").text == "'grandchild'"
+        close_all([a, b, c, gc])
+
+
+def test_nested_forks_fifty_deep(harness) -> None:
+    root = harness.sandbox()
+    root.run_code("depth = 0")
+    chain = [root]
+    for _ in range(50):
+        (nxt,) = chain[-1].fork(1)
+        nxt.run_code("depth += 1")
+        nxt.exec("echo $((RANDOM)) >> /root/trail")
+        chain.append(nxt)
+    assert chain[-1].run_code("depth").text == "50"
+    assert len(chain[-1].files.read("/root/trail").split()) == 50
+    assert harness.engine.info(chain[-1].id)["layers"] <= engine_sandboxes.MAX_CHAIN + 1
+    close_all(chain)
+
+
+def test_many_fork_merge_rounds_keep_the_chain_bounded(harness) -> None:
+    rounds = 1000 if harness.backend == "btrfs" else 200
+    with harness.sandbox() as parent:
+        parent.run_code("n = 0")
+        for i in range(rounds):
+            (child,) = parent.fork(1)
+            child.run_code("n += 1")
+            if i % 50 == 0:
+                child.files.write(f"/root/round-{i}", b"x")
+            parent.merge_into(child)
+        assert parent.run_code("n").text == str(rounds)
+        assert parent.files.exists(f"/root/round-{(rounds - 1) // 50 * 50}")
+        assert harness.engine.info(parent.id)["layers"] <= engine_sandboxes.MAX_CHAIN + 1
+
+
+def test_diff_sees_changes_deletions_and_other_families(harness) -> None:
+    with harness.sandbox() as parent, harness.sandbox() as stranger:
+        parent.exec("mkdir -p /root/data && for i in 1 2 3; do echo $i > /root/data/f$i; done")
+        a, b = parent.fork(2)
+        b.exec("rm -rf /root/data && echo new > /tmp/new.txt && echo changed > /root/keep")
+        a.exec("echo changed > /root/keep")
+        d = a.diff(b)
+        assert d["added"] == ["/tmp/new.txt"]
+        assert d["removed"] == ["/root/data/f1", "/root/data/f2", "/root/data/f3"]
+        assert d["modified"] == []
+        b.exec("echo different > /root/keep")
+        assert a.diff(b)["modified"] == ["/root/keep"]
+        assert a.diff(b, paths=["/tmp"])["added"] == ["/tmp/new.txt"]
+        cross = stranger.diff(a)
+        assert "/root/data/f1" in cross["added"] and "/root/keep" in cross["added"]
+        with pytest.raises(InvalidRequest):
+            a.diff(b, paths=["relative"])
+        close_all([a, b])
+
+
+def test_engine_fork_is_flat_in_the_family_pid_namespace(sandbox, harness) -> None:
+    """Children are siblings under the family init: no PID namespace per generation."""
+    (child,) = sandbox.fork(1)
+    (grandchild,) = child.fork(1)
+    pids = [portal.run(harness.engine.call(s.id, "ping"))["pid"]
+            for s in (sandbox, child, grandchild)]
+    assert len(set(pids)) == 3 and all(p < 1000 for p in pids)
+    close_all([child, grandchild])
