@@ -10,11 +10,13 @@ socket and cgroup fds, over SCM_RIGHTS), then ``fork``. The REPL:
    while a command starts: see :func:`command_spawning`), so children are
    flat in P — a namespace per generation would stop at 32 levels and tie a
    child's life to its parent's;
-3. ``fork()``s once per slot. Memory is shared copy-on-write by the kernel:
-   nothing is serialized. Each child enters its sandbox (``entry``), restores
-   the working directory, re-opens inherited regular files in its own root at
-   the same offsets (so its writes never land in the parent's files), closes
-   inherited sockets, and serves its own control socket;
+3. freezes the garbage collector's view of every live object (``gc.freeze``,
+   so no collection ever writes to the shared pages) and ``fork()``s once per
+   slot. Memory is shared copy-on-write by the kernel: nothing is serialized.
+   Each child enters its sandbox (``entry``), restores the working directory,
+   re-opens inherited regular files in its own root at the same offsets (so
+   its writes never land in the parent's files), closes inherited sockets,
+   and serves its own control socket;
 4. answers with the children's pids.
 """
 
@@ -22,11 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import os
 import re
 import signal
 import socket
 import stat
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -226,6 +230,7 @@ def _fork_flat() -> int:
 
 
 def handle_fork(agent, req: dict, payload: bytes, fds: list[int]) -> None:
+    started = time.perf_counter()
     slots, STATE.slots = STATE.slots, []
     if not slots:
         agent.fail(req["rid"], "InvalidRequest", "fork without fork_slot")
@@ -246,6 +251,10 @@ def handle_fork(agent, req: dict, payload: bytes, fds: list[int]) -> None:
     cwd = os.getcwd()
     parent = os.getpid()
     pids: list[int] = []
+    # Objects alive now move to the permanent generation: the cyclic GC never walks
+    # them again, in the children or here, so it never writes to (and so copies) the
+    # pages they share. A full collection would otherwise copy the whole heap per child.
+    gc.freeze()
     try:
         for i, slot in enumerate(slots):
             pid = _fork_flat()  # born in P: pid_for_children is P outside command_spawning
@@ -260,7 +269,8 @@ def handle_fork(agent, req: dict, payload: bytes, fds: list[int]) -> None:
             for slot in slots:
                 for fd in slot.fds():
                     os.close(fd)
-    agent.done(req["rid"], {"pids": pids, "threads": threads})
+    paused = time.perf_counter() - started
+    agent.done(req["rid"], {"pids": pids, "threads": threads, "paused": paused})
 
 
 def handle_sethostname(agent, req: dict, payload: bytes, fds: list[int]) -> None:

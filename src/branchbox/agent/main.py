@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import types
-from collections.abc import Callable
 
 from .commands import Commands, SpawnContext
 from .files import (
@@ -23,7 +22,7 @@ from .files import (
     handle_remove,
     handle_stat,
 )
-from .forking import handle_fork, handle_fork_slot, handle_sethostname, command_spawning
+from .forking import command_spawning, handle_fork, handle_fork_slot, handle_sethostname
 from .repl import Repl
 from .server import Agent, handle_ping
 

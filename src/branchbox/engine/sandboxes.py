@@ -16,6 +16,7 @@ import os
 import re
 import secrets
 import socket
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,9 +30,9 @@ from branchbox.runtime import rootfs
 from branchbox.runtime.cgroups import Limits, SandboxCgroup, favor_dynamic_moves
 from branchbox.runtime.channel import AgentChannel, AgentError
 from branchbox.runtime.family import Family, spawn_family
-from branchbox.storage.layerdiff import diff_layers
 from branchbox.storage.backend import choose_backend
 from branchbox.storage.images import ImageNotFound, ensure_image
+from branchbox.storage.layerdiff import diff_layers
 
 log = logging.getLogger("branchbox.engine")
 
@@ -84,6 +85,7 @@ class Live:
     forked_at: int | None = None  # the parent's generation when this one was forked
     timer: asyncio.TimerHandle | None = None
     watcher: asyncio.Task | None = None
+    last_fork: dict | None = None  # timings of the latest fork, seconds (for info and bench)
 
     @property
     def id(self) -> str:
@@ -165,6 +167,7 @@ class Engine:
             usage = {
                 "memory_bytes": sb.body.cgroup.memory_bytes(),
                 "pids": sb.body.cgroup.pids_current(),
+                "host_pids": sb.body.cgroup.pids(),
             }
         children = [c.id for c in self.live.values() if c.record.parent_id == rec.id]
         return {
@@ -179,6 +182,7 @@ class Engine:
             "address": "127.0.0.1 (loopback only)",
             "layers": len(sb.body.layers.frozen),
             "resources": usage,
+            "last_fork": sb.last_fork,
         }
 
     # ------------------------------------------------------------------- create
@@ -390,6 +394,7 @@ class Engine:
             parent.lock.release()
 
     async def _fork_locked(self, parent: Live, channel: AgentChannel, n: int) -> list[Live]:
+        started = time.perf_counter()
         pbody = parent.body
         pbody.cgroup.freeze("cmds")
         made: list[tuple[str, Body]] = []
@@ -410,23 +415,32 @@ class Engine:
                     self.layers.release(stack)
                     raise
                 made.append((sid, Body(key, stack, cgroup)))
+            # Hand over every child's fds without waiting for each answer: the agent
+            # handles the requests in order, so all slots are in place before "fork".
+            slot_calls = []
             for sid, body in made:
                 ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
                 body.channel = AgentChannel(ours)
                 repl_fds, cmds_fds = body.cgroup.join_fds("repl"), body.cgroup.join_fds("cmds")
                 fds = [body.layers.tree(), theirs.fileno(), *repl_fds, *cmds_fds]
                 try:
-                    await channel.call("fork_slot", {"id": sid, "ncg": len(repl_fds)}, fds=fds)
+                    rid, queue = channel.open_request()
+                    await channel.send({"op": "fork_slot", "rid": rid, "id": sid,
+                                        "ncg": len(repl_fds)}, fds=fds)
+                    slot_calls.append(_drain(channel.events(rid, queue)))
                 finally:
                     theirs.close()
                     for fd in fds[:1] + fds[2:]:
                         os.close(fd)
+            await asyncio.gather(*slot_calls)
             waits = []
             for _, body in made:
                 # A fork child announces itself (or its set-up failure) as request 0.
                 waits.append(body.channel.events(0, body.channel.expect(0)))
-            await channel.call("fork")
+            forked = await channel.call("fork")
             await asyncio.gather(*(_drain(w) for w in waits))
+            parent.last_fork = {"n": n, "repl_paused": forked.get("paused"),
+                                "total": time.perf_counter() - started}
         except BaseException as exc:
             for _, body in made:
                 await self._destroy_body(body)

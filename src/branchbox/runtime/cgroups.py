@@ -21,8 +21,8 @@ import hashlib
 import os
 import signal
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from branchbox.agent import sysc

@@ -43,6 +43,8 @@ def serve(data_dir: Path | str = DEFAULT_DATA_DIR, host: str | None = None,
     ``storage`` None means the engine's default (``$BRANCHBOX_STORAGE``, else "auto").
     """
     data_dir = Path(data_dir).absolute()
+    # Not 0700: a sandbox's mapped root must traverse it to attach its root filesystem.
+    # The socket inside is what guards the API, and it is 0600.
     data_dir.mkdir(parents=True, exist_ok=True)
     config = EngineConfig(data_dir=data_dir)
     if storage is not None:
