@@ -207,9 +207,15 @@ class Uploads:
         agent.at_fork(self._forget)
 
     def handle_write(self, agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None:
-        """``write`` {path, mode?, append?, more} + payload: done {"size"} after the last frame."""
+        """``write`` {path, mode?, append?, more, abort?} + payload: done {"size"} after the last
+        frame; a frame with ``abort: true`` discards the upload (the old file stays)."""
         rid = req["rid"]
         more = param(req, "more", bool, False)
+        if param(req, "abort", bool, False):  # the sender gave up: drop what came so far
+            self.failed.discard(rid)
+            if rid in self.open:
+                self.open.pop(rid).abort()
+            raise RequestError("InvalidRequest", "upload aborted by the sender")
         if rid in self.failed:
             if not more:
                 self.failed.discard(rid)

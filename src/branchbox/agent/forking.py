@@ -81,6 +81,9 @@ def command_spawning() -> Iterator[Callable[[int], None]]:
     """Around the start of a command: born in Q (the sandbox's command namespace), then
     moved into the cmds cgroup. The REPL's own default stays P, because the kernel refuses
     to create threads while a process's pid_for_children differs from its own namespace."""
+    if STATE.qinit_pidfd < 0:  # not inside a sandbox (the agent run bare, as in its tests)
+        yield _adopt
+        return
     sysc.setns(STATE.qinit_pidfd, sysc.CLONE_NEWPID)
     try:
         yield _adopt
@@ -101,13 +104,15 @@ def take_warning() -> str | None:
 
 
 def handle_fork_slot(agent, req: dict, payload: bytes, fds: list[int]) -> None:
-    ncg = int(req["ncg"])
-    if len(fds) != 2 + 2 * ncg:
+    """One child to be: fds = [root tree, control socket, *repl cgroup, *cmds cgroup]."""
+    nrepl, ncmds = int(req["nrepl"]), int(req["ncmds"])
+    if len(fds) != 2 + nrepl + ncmds:
         for fd in fds:
             os.close(fd)
-        agent.fail(req["rid"], "InvalidRequest", f"fork_slot needs {2 + 2 * ncg} fds")
+        agent.fail(req["rid"], "InvalidRequest", f"fork_slot needs {2 + nrepl + ncmds} fds")
         return
-    STATE.slots.append(_Slot(req["id"], fds[0], fds[1], fds[2 : 2 + ncg], fds[2 + ncg :]))
+    repl_end = 2 + nrepl
+    STATE.slots.append(_Slot(req["id"], fds[0], fds[1], fds[2:repl_end], fds[repl_end:]))
     agent.done(req["rid"], {"slots": len(STATE.slots)})
 
 

@@ -361,13 +361,20 @@ class Engine:
             if mode is not None:
                 header["mode"] = mode
             pending = b""
-            async for chunk in chunks:
-                pending += chunk
-                while len(pending) >= 1 << 20:
-                    await channel.send(header, pending[: 1 << 20])
-                    pending = pending[1 << 20 :]
-                    if not queue.empty():  # an early failure (bad path): stop sending
-                        break
+            try:
+                async for chunk in chunks:
+                    pending += chunk
+                    while len(pending) >= 1 << 20:
+                        await channel.send(header, pending[: 1 << 20])
+                        pending = pending[1 << 20 :]
+                        if not queue.empty():  # an early failure (bad path): stop sending
+                            break
+            except BaseException:
+                # The source failed (client gone, body too large): the agent drops the
+                # partial upload and the old file stays as it was.
+                channel.close_request(rid)
+                await channel.send({**header, "more": False, "abort": True})
+                raise
             await channel.send({**header, "more": False}, pending)
             result: dict = {}
             async for ev, _ in channel.events(rid, queue):
@@ -425,8 +432,9 @@ class Engine:
                 fds = [body.layers.tree(), theirs.fileno(), *repl_fds, *cmds_fds]
                 try:
                     rid, queue = channel.open_request()
-                    await channel.send({"op": "fork_slot", "rid": rid, "id": sid,
-                                        "ncg": len(repl_fds)}, fds=fds)
+                    slot = {"op": "fork_slot", "rid": rid, "id": sid,
+                            "nrepl": len(repl_fds), "ncmds": len(cmds_fds)}
+                    await channel.send(slot, fds=fds)
                     slot_calls.append(_drain(channel.events(rid, queue)))
                 finally:
                     theirs.close()

@@ -91,10 +91,10 @@ class SandboxCgroup:
         else:
             for d in dirs:
                 d.mkdir(parents=True)
-        for d in dirs:
+        cg = cls(version, dirs)
+        for d in cg._split_dirs():
             for leaf in LEAVES:
                 (d / leaf).mkdir()
-        cg = cls(version, dirs)
         cg._apply(limits)
         return cg
 
@@ -137,16 +137,31 @@ class SandboxCgroup:
             self._file("pids", "pids.max").write_text(str(limits.pids))
             self._file("cpu", "cpu.shares").write_text(str(max(2, limits.cpu_weight * 1024 // 100)))
 
+    def _split_dirs(self) -> list[Path]:
+        """The directories that have the repl/cmds leaves: the one v2 directory, or on v1
+        only the freezer's (the other controllers are per sandbox, not per leaf)."""
+        if self.version == 2:
+            return self.dirs
+        return [d for d in self.dirs if d.parts[-4] == "freezer"]
+
     def join_fds(self, leaf: str) -> list[int]:
-        """Write-only fds of ``leaf``'s cgroup.procs; writing "0" moves the writer in."""
-        return [os.open(d / leaf / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC) for d in self.dirs]
+        """Write-only cgroup.procs fds that place a process; writing "0" moves the writer.
+
+        On v1, processes of both leaves share the sandbox's memory/pids/cpu cgroups, which
+        a command inherits from the REPL that starts it, so a command joins the freezer
+        leaf alone: one move per command instead of four.
+        """
+        targets = [d / leaf for d in self._split_dirs()]
+        if self.version == 1 and leaf == "repl":
+            targets += [d for d in self.dirs if d not in self._split_dirs()]
+        return [os.open(t / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC) for t in targets]
 
     def pids(self) -> list[int]:
         found: set[int] = set()
         for d in self.dirs:
-            for leaf in LEAVES:
+            for where in (d, *(d / leaf for leaf in LEAVES)):
                 with contextlib.suppress(FileNotFoundError):
-                    found.update(int(p) for p in (d / leaf / "cgroup.procs").read_text().split())
+                    found.update(int(p) for p in (where / "cgroup.procs").read_text().split())
         return sorted(found)
 
     def freeze(self, leaf: str | None = None, frozen: bool = True) -> None:

@@ -68,6 +68,7 @@ async def collect(lines: AsyncGenerator[dict, None], on_stdout: OutputCallback |
     """Read a run's stream to its end, passing output to the callbacks as it comes."""
     parts: dict[str, list[str]] = {"stdout": [], "stderr": []}
     callbacks = {"stdout": on_stdout, "stderr": on_stderr}
+    final: dict | None = None
     async with aclosing(lines):
         async for line in lines:
             kind = line.get("type")
@@ -81,8 +82,12 @@ async def collect(lines: AsyncGenerator[dict, None], on_stdout: OutputCallback |
                 raise error_from_reply(line.get("status", 500),
                                        {"error": line.get("error"), "type": line.get("kind")})
             elif kind in ("result", "exit"):
-                return Output("".join(parts["stdout"]), "".join(parts["stderr"]), line)
-    raise error_from_reply(502, "the server's stream ended before the run's result")
+                # The last line; reading on to the end of the body (instead of returning
+                # here) lets the connection go back to the pool rather than be closed.
+                final = line
+    if final is None:
+        raise error_from_reply(502, "the server's stream ended before the run's result")
+    return Output("".join(parts["stdout"]), "".join(parts["stderr"]), final)
 
 
 def execution(out: Output, timeout: float | None) -> Execution:
