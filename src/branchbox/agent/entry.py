@@ -15,7 +15,8 @@ order matters:
    own namespace — commands are started in Q explicitly);
 3. make every mount private, so nothing propagates back to the parent;
 4. hostname = sandbox id, loopback up;
-5. attach the root tree the daemon built (a detached overlay mount);
+5. attach the root tree the daemon built (a detached overlay mount), and
+   inside it any further trees (a workspace at its host path);
 6. fork Q's init, which mounts the new /proc (a proc mount shows the PID
    namespace of the process that mounts it) — before the old root is
    detached, because inside a user namespace the kernel refuses a proc mount
@@ -37,7 +38,7 @@ from . import sysc
 AGENT_DIR = "/.branchbox"  # the agent layer's directory inside every sandbox root
 OLD_ROOT = AGENT_DIR + "/oldroot"  # where pivot_root parks the previous root
 ATTACH = AGENT_DIR + "/root"  # where a fork child attaches its new tree before pivoting
-_DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+_DEVICES = ("null", "zero", "full", "random", "urandom")
 _SIOCSIFFLAGS = 0x8914
 _IFF_UP_LOOPBACK_RUNNING = 0x1 | 0x8 | 0x40
 
@@ -124,13 +125,20 @@ def _mount_dev(root: str) -> None:
 
 
 def enter_sandbox(
-    tree_fd: int, attach: str, hostname: str, repl_cgroup_fds: list[int], cmds_cgroup_fds: list[int]
+    tree_fd: int,
+    attach: str,
+    hostname: str,
+    repl_cgroup_fds: list[int],
+    cmds_cgroup_fds: list[int],
+    mounts: list[tuple[int, str]] = (),
 ) -> int:
     """Turn the calling process into a sandbox's REPL process; returns Q's init pid.
 
     ``attach`` is an empty directory of the current root where the tree is
     attached before pivoting. ``tree_fd`` and ``repl_cgroup_fds`` are consumed;
     ``cmds_cgroup_fds`` stay open: the REPL puts every command it starts there.
+    ``mounts`` are more detached trees (fd, absolute path in the sandbox) to attach
+    inside the root — a workspace; their fds are consumed too.
     """
     for fd in repl_cgroup_fds:  # 1
         os.write(fd, b"0")
@@ -147,6 +155,12 @@ def enter_sandbox(
     _loopback_up()
     sysc.move_mount_fd(tree_fd, attach)  # 5
     os.close(tree_fd)
+    for fd, path in mounts:
+        sysc.move_mount_fd(fd, attach + path)
+        os.close(fd)
+    # Everything from here on starts inside the new root: a process forked now keeps
+    # this directory, and pivot_root moves only roots and cwds equal to the old root.
+    os.chdir(attach)
     ready_r, ready_w = os.pipe()  # 6
     init_pid = os.fork()
     if init_pid == 0:

@@ -47,9 +47,11 @@ class _Slot:
     ctrl: int
     repl_cgroup: list[int]
     cmds_cgroup: list[int]
+    mounts: list[tuple[int, str]]
 
     def fds(self) -> list[int]:
-        return [self.tree, self.ctrl, *self.repl_cgroup, *self.cmds_cgroup]
+        return [self.tree, self.ctrl, *self.repl_cgroup, *self.cmds_cgroup,
+                *(fd for fd, _ in self.mounts)]
 
 
 @dataclass
@@ -104,20 +106,31 @@ def take_warning() -> str | None:
 
 
 def handle_fork_slot(agent, req: dict, payload: bytes, fds: list[int]) -> None:
-    """One child to be: fds = [root tree, control socket, *repl cgroup, *cmds cgroup]."""
-    nrepl, ncmds = int(req["nrepl"]), int(req["ncmds"])
-    if len(fds) != 2 + nrepl + ncmds:
+    """One child to be: fds = [root tree, control socket, *repl cgroup, *cmds cgroup,
+    *trees to attach at ``req["mounts"]`` (paths)]."""
+    nrepl, ncmds, paths = int(req["nrepl"]), int(req["ncmds"]), list(req.get("mounts", ()))
+    if len(fds) != 2 + nrepl + ncmds + len(paths):
         for fd in fds:
             os.close(fd)
-        agent.fail(req["rid"], "InvalidRequest", f"fork_slot needs {2 + nrepl + ncmds} fds")
+        agent.fail(req["rid"], "InvalidRequest", "fork_slot got the wrong number of fds")
         return
-    repl_end = 2 + nrepl
-    STATE.slots.append(_Slot(req["id"], fds[0], fds[1], fds[2:repl_end], fds[repl_end:]))
+    repl_end, cmds_end = 2 + nrepl, 2 + nrepl + ncmds
+    mounts = list(zip(fds[cmds_end:], paths, strict=True))
+    STATE.slots.append(
+        _Slot(req["id"], fds[0], fds[1], fds[2:repl_end], fds[repl_end:cmds_end], mounts)
+    )
     agent.done(req["rid"], {"slots": len(STATE.slots)})
 
 
 def _inspect_fds(skip: set[int]) -> tuple[list[tuple[int, str, int, int]], list[int], int]:
-    """(regular files as (fd, path, flags, offset), socket fds, thread count) of this process."""
+    """What a child must do with each inherited fd: (fds to re-open as (fd, path, flags,
+    offset), fds to close, thread count).
+
+    Files, directories and devices are re-opened by path in the child's own root, so
+    nothing the child does through them reaches the parent's tree. Everything else
+    (sockets, pipes, pidfds, deleted files, anything without a path) is closed: a
+    channel into the parent is not something a fork may inherit.
+    """
     mnt = entry.AGENT_DIR + "/proc"
     sysc.mount("proc", mnt, "proc", sysc.MS_NOSUID | sysc.MS_NODEV | sysc.MS_NOEXEC)
     try:
@@ -125,41 +138,41 @@ def _inspect_fds(skip: set[int]) -> tuple[list[tuple[int, str, int, int]], list[
         with open(f"{base}/status") as f:
             match = re.search(r"^Threads:\s+(\d+)", f.read(), re.M)
         threads = int(match.group(1)) if match else 1
-        files, sockets = [], []
+        reopen, close = [], []
         for name in os.listdir(f"{base}/fd"):
             fd = int(name)
-            if fd in skip:
+            if fd in skip or fd <= 2:  # 0-2 are the agent's (/dev/null between calls)
                 continue
             try:
                 mode = os.fstat(fd).st_mode
-                if stat.S_ISSOCK(mode):
-                    sockets.append(fd)
-                    continue
-                if not stat.S_ISREG(mode):
-                    continue
                 path = os.readlink(f"{base}/fd/{fd}")
                 with open(f"{base}/fdinfo/{fd}") as f:
                     info = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
             except OSError:
                 continue  # closed meanwhile (e.g. the listdir fd itself)
-            if path.startswith("/") and not path.endswith(" (deleted)"):
-                files.append((fd, path, int(info["flags"].strip(), 8), int(info["pos"].strip())))
-        return files, sockets, threads
+            by_path = stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISCHR(mode)
+            if by_path and path.startswith("/") and not path.endswith(" (deleted)"):
+                reopen.append((fd, path, int(info["flags"].strip(), 8), int(info["pos"].strip())))
+            else:
+                close.append(fd)
+        return reopen, close, threads
     finally:
         sysc.umount2(mnt, sysc.MNT_DETACH)
 
 
-def _reopen(files: list[tuple[int, str, int, int]], sockets: list[int]) -> None:
-    """Point inherited fds at this child's own files; sockets become /dev/null."""
-    for fd, path, flags, pos in files:
+def _reopen(reopen: list[tuple[int, str, int, int]], close: list[int]) -> None:
+    """Point inherited fds at this child's own files; the others become /dev/null (not
+    closed: a Python object may still hold the number, which must not be reused)."""
+    for fd, path, flags, pos in reopen:
         try:
             new = os.open(path, flags & _OPEN_FLAGS_KEPT)
-            os.lseek(new, pos, os.SEEK_SET)
+            if pos:
+                os.lseek(new, pos, os.SEEK_SET)
         except OSError:
             new = os.open("/dev/null", os.O_RDONLY)  # never keep writing into the parent's file
         os.dup2(new, fd, inheritable=not flags & _O_CLOEXEC)
         os.close(new)
-    for fd in sockets:
+    for fd in close:
         null = os.open("/dev/null", os.O_RDONLY)
         os.dup2(null, fd, inheritable=False)
         os.close(null)
@@ -170,8 +183,8 @@ def _become_child(
     slot: _Slot,
     others: list[_Slot],
     inherited: list[int],
-    files: list,
-    sockets: list[int],
+    reopen: list,
+    close: list[int],
     cwd: str,
     warning: str | None,
 ) -> None:
@@ -182,7 +195,8 @@ def _become_child(
         for fd in inherited:
             os.close(fd)
         qinit = entry.enter_sandbox(
-            slot.tree, entry.ATTACH, slot.sandbox_id, slot.repl_cgroup, slot.cmds_cgroup
+            slot.tree, entry.ATTACH, slot.sandbox_id, slot.repl_cgroup, slot.cmds_cgroup,
+            slot.mounts,
         )
         STATE.qinit_pidfd = os.pidfd_open(qinit)
         STATE.family_pidfd = os.pidfd_open(os.getpid())
@@ -190,7 +204,7 @@ def _become_child(
         STATE.slots = []
         STATE.warning = warning
         os.chdir(cwd)
-        _reopen(files, sockets)
+        _reopen(reopen, close)
         ctrl = socket.socket(fileno=slot.ctrl)
         agent.reset_after_fork(ctrl)
         protocol.send(ctrl, {"rid": 0, "ev": "done", "result": {"pid": os.getpid()}})
@@ -240,37 +254,32 @@ def handle_fork(agent, req: dict, payload: bytes, fds: list[int]) -> None:
     if not slots:
         agent.fail(req["rid"], "InvalidRequest", "fork without fork_slot")
         return
-    inherited = [STATE.qinit_pidfd, STATE.family_pidfd, *STATE.cmds_cgroup]
-    skip = {agent.sock.fileno(), *inherited}
-    for slot in slots:
-        skip.update(slot.fds())
-    files, sockets, threads = _inspect_fds(skip)
-    warning = (
-        (
-            f"the REPL had {threads} threads at fork time; a fork child has only the "
-            "thread that forked, so locks held by the others stay held"
-        )
-        if threads > 1
-        else None
-    )
-    cwd = os.getcwd()
     parent = os.getpid()
     pids: list[int] = []
-    # Objects alive now move to the permanent generation: the cyclic GC never walks
-    # them again, in the children or here, so it never writes to (and so copies) the
-    # pages they share. A full collection would otherwise copy the whole heap per child.
-    gc.freeze()
     try:
+        inherited = [STATE.qinit_pidfd, STATE.family_pidfd, *STATE.cmds_cgroup]
+        skip = {agent.sock.fileno(), *inherited}
+        for slot in slots:
+            skip.update(slot.fds())
+        reopen, close, threads = _inspect_fds(skip)
+        warning = (
+            f"the REPL had {threads} threads at fork time; a fork child has only the "
+            "thread that forked, so locks held by the others stay held"
+        ) if threads > 1 else None
+        cwd = os.getcwd()
+        # Objects alive now move to the permanent generation: the cyclic GC never walks
+        # them again, in the children or here, so it never writes to (and so copies) the
+        # pages they share. A full collection would otherwise copy the whole heap per child.
+        gc.freeze()
         for i, slot in enumerate(slots):
             pid = _fork_flat()  # born in P: pid_for_children is P outside command_spawning
             if pid == 0:
-                _become_child(
-                    agent, slot, slots[:i] + slots[i + 1 :], inherited, files, sockets, cwd, warning
-                )
+                others = slots[:i] + slots[i + 1 :]
+                _become_child(agent, slot, others, inherited, reopen, close, cwd, warning)
                 return  # the child goes back to the request loop, now on its own socket
             pids.append(pid)
     finally:
-        if os.getpid() == parent:
+        if os.getpid() == parent:  # whatever happened, the slots' fds are spent
             for slot in slots:
                 for fd in slot.fds():
                     os.close(fd)

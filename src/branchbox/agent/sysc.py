@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import struct
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -49,6 +50,7 @@ MOVE_MOUNT_F_EMPTY_PATH = 0x4
 
 FSCONFIG_SET_FLAG = 0
 FSCONFIG_SET_STRING = 1
+FSCONFIG_SET_FD = 5
 FSCONFIG_CMD_CREATE = 6
 FSMOUNT_CLOEXEC = 0x1
 
@@ -123,6 +125,24 @@ def fsconfig(fs_fd: int, cmd: int, key: str | None = None, value: str | None = N
     _check(ret, f"fsconfig {key}={value}")
 
 
+def fsconfig_fd(fs_fd: int, key: str, fd: int) -> None:
+    """Give a filesystem context a parameter as a file descriptor (e.g. an overlay layer)."""
+    ret = _libc.syscall(_SYS_FSCONFIG, ctypes.c_int(fs_fd), ctypes.c_uint(FSCONFIG_SET_FD),
+                        _b(key), None, ctypes.c_int(fd))
+    _check(ret, f"fsconfig {key}=<fd {fd}>")
+
+
+MOUNT_ATTR_IDMAP = 0x00100000
+
+
+def mount_setattr_idmap(tree_fd: int, userns_fd: int) -> None:
+    """Make the detached mount ``tree_fd`` show its files through ``userns_fd``'s id map."""
+    attr = ctypes.create_string_buffer(struct.pack("QQQQ", MOUNT_ATTR_IDMAP, 0, 0, userns_fd))
+    ret = _libc.syscall(_SYS_MOUNT_SETATTR, ctypes.c_int(tree_fd), b"",
+                        ctypes.c_uint(AT_EMPTY_PATH), attr, ctypes.c_size_t(len(attr.raw)))
+    _check(ret, "mount_setattr(MOUNT_ATTR_IDMAP)")
+
+
 def fsmount(fs_fd: int, attr_flags: int = 0) -> int:
     """Turn a configured filesystem context into a detached mount fd."""
     ret = _libc.syscall(
@@ -137,11 +157,11 @@ def clone_fork(flags: int) -> int:
     return -ctypes.get_errno() if ret < 0 else ret
 
 
-def prctl(option: int, arg2: int = 0) -> None:
+def prctl(option: int, arg2: int = 0, arg3: int = 0) -> None:
     ret = _libc.prctl(
         ctypes.c_int(option),
         ctypes.c_ulong(arg2),
-        ctypes.c_ulong(0),
+        ctypes.c_ulong(arg3),
         ctypes.c_ulong(0),
         ctypes.c_ulong(0),
     )

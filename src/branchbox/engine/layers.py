@@ -1,7 +1,8 @@
 """Layer bookkeeping: which volumes a sandbox's root is stacked from, and when to free them.
 
 A sandbox body (an *instance*) owns one writable volume (``upper/`` +
-``work/``) and shares frozen layers with its relatives. A frozen layer is a
+``work/``, and ``ws/`` for a workspace) and shares frozen layers with its
+relatives. A frozen layer is a
 read-only snapshot of a parent's writable volume taken at fork time; every
 instance stacked on it holds a reference, and the last one to go deletes it.
 """
@@ -9,8 +10,9 @@ instance stacked on it holds a reference, and the last one to go deletes it.
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from branchbox.runtime import rootfs
@@ -27,13 +29,34 @@ class FrozenLayer:
         return self.path / "upper"
 
 
+@dataclass(eq=False)
+class WorkspaceLower:
+    """A host directory as a workspace's bottom layer: an idmapped detached mount of it
+    (host owners appear as the same ids inside the sandbox), shared by every branch."""
+
+    host: Path
+    fd: int
+    users: int = 0
+
+
+@dataclass
+class WorkspaceBranch:
+    """One sandbox's view of a workspace: what it started from, for commit's checks."""
+
+    lower: WorkspaceLower
+    since: float  # host changes after this instant are conflicts
+    version: int  # the workspace version this branch started from (first commit wins)
+
+
 @dataclass
 class LayerStack:
-    """The layers of one instance: its writable volume, frozen layers (top first), base."""
+    """The layers of one instance: its writable volume, frozen layers (top first), base,
+    and optionally a workspace whose layers live in the same volumes under ws/."""
 
     volume: Path
     frozen: list[FrozenLayer] = field(default_factory=list)
     base: list[Path] = field(default_factory=list)  # agent layer over the image
+    workspace: WorkspaceBranch | None = None
 
     def lowers(self) -> list[Path]:
         return [layer.lowerdir for layer in self.frozen] + self.base
@@ -45,6 +68,19 @@ class LayerStack:
     def tree(self) -> int:
         """A detached overlay mount of this stack (the sandbox's root)."""
         return rootfs.overlay_tree(self.volume / "upper", self.volume / "work", self.lowers())
+
+    def workspace_dirs(self) -> list[Path]:
+        """The workspace's layer directories above the host directory, top first."""
+        return [self.volume / "ws" / "upper", *(f.path / "ws" / "upper" for f in self.frozen)]
+
+    def mounts(self) -> list[tuple[int, str]]:
+        """Trees to attach inside the root: the workspace at its host path, if any."""
+        if self.workspace is None:
+            return []
+        lowers: list[Path | int] = [*self.workspace_dirs()[1:], self.workspace.lower.fd]
+        tree = rootfs.overlay_tree(self.volume / "ws" / "upper", self.volume / "ws" / "work",
+                                   lowers)
+        return [(tree, str(self.workspace.lower.host))]
 
 
 class Layers:
@@ -58,17 +94,21 @@ class Layers:
     def _new_path(self, prefix: str) -> Path:
         return self.root / f"{prefix}-{secrets.token_hex(8)}"
 
-    def new_stack(self, frozen: list[FrozenLayer], base: list[Path]) -> LayerStack:
+    def new_stack(self, frozen: list[FrozenLayer], base: list[Path],
+                  workspace: WorkspaceBranch | None = None) -> LayerStack:
         volume = self._new_path("w")
         self.backend.create_volume(volume)
         try:
-            rootfs.prepare_writable(volume)
+            rootfs.prepare_writable(volume, workspace.lower.host if workspace else None)
         except BaseException:
             self.backend.delete(volume)
             raise
         for layer in frozen:
             layer.refs += 1
-        return LayerStack(volume, list(frozen), list(base))
+        if workspace is not None:
+            workspace = replace(workspace)
+            workspace.lower.users += 1
+        return LayerStack(volume, list(frozen), list(base), workspace)
 
     def freeze(self, stack: LayerStack) -> FrozenLayer:
         """Capture ``stack``'s writable volume as a new frozen layer (O(1) on btrfs)."""
@@ -89,6 +129,11 @@ class Layers:
         for layer in stack.frozen:
             self.drop(layer)
         stack.frozen = []
+        if stack.workspace is not None:
+            stack.workspace.lower.users -= 1
+            if stack.workspace.lower.users == 0:
+                os.close(stack.workspace.lower.fd)
+            stack.workspace = None
 
     def drop(self, layer: FrozenLayer) -> None:
         layer.refs -= 1

@@ -26,6 +26,7 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     meta TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
+CREATE TABLE IF NOT EXISTS commits (host TEXT PRIMARY KEY, started REAL NOT NULL);
 """
 
 
@@ -77,6 +78,17 @@ class Records:
         self.db.executemany(
             "UPDATE sandboxes SET state='closed', closed=? WHERE id=?", [(now, i) for i in ids]
         )
+
+    def begin_commit(self, host: Path) -> None:
+        """Note a workspace commit under way, so a daemon that dies inside it is followed
+        by one that finishes or undoes it (storage.workspace_commit.recover)."""
+        self.db.execute("INSERT OR REPLACE INTO commits VALUES (?, ?)", (str(host), time.time()))
+
+    def end_commit(self, host: Path) -> None:
+        self.db.execute("DELETE FROM commits WHERE host = ?", (str(host),))
+
+    def pending_commits(self) -> list[Path]:
+        return [Path(row[0]) for row in self.db.execute("SELECT host FROM commits")]
 
     def close(self) -> None:
         self.db.close()

@@ -24,7 +24,13 @@ from pathlib import Path
 from branchbox.agent.protocol import ChannelClosed
 from branchbox.engine import errors
 from branchbox.engine.config import EngineConfig
-from branchbox.engine.layers import FrozenLayer, Layers, LayerStack
+from branchbox.engine.layers import (
+    FrozenLayer,
+    Layers,
+    LayerStack,
+    WorkspaceBranch,
+    WorkspaceLower,
+)
 from branchbox.engine.records import Records, SandboxRecord
 from branchbox.runtime import rootfs
 from branchbox.runtime.cgroups import Limits, SandboxCgroup, favor_dynamic_moves
@@ -32,6 +38,8 @@ from branchbox.runtime.channel import AgentChannel, AgentError
 from branchbox.runtime.family import Family, spawn_family
 from branchbox.storage.backend import choose_backend
 from branchbox.storage.images import ImageNotFound, ensure_image
+from branchbox.storage import workspace_commit
+from branchbox.storage.idmap import UID_BASE
 from branchbox.storage.layerdiff import diff_layers
 
 log = logging.getLogger("branchbox.engine")
@@ -106,12 +114,16 @@ class Engine:
         self._generations = itertools.count(1)
         self._unfavor = None
         self._expiring: set[asyncio.Task] = set()
+        self._idmap_userns = -1
+        self._workspace_lowers: dict[Path, WorkspaceLower] = {}
+        self._workspace_versions: dict[Path, int] = {}
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         cfg = self.config
         for sub in ("run", "logs"):
             (cfg.data_dir / sub).mkdir(parents=True, exist_ok=True)
+        cfg.data_dir.chmod(0o700)  # layers, logs and the socket are the daemon's alone
         ATTACH_DIR.mkdir(parents=True, exist_ok=True)
         self.records = Records(cfg.data_dir / "sandboxes.db")
         self._unfavor = favor_dynamic_moves(cfg.data_dir / "run" / "cgroup-favor")
@@ -120,6 +132,11 @@ class Engine:
         self.layers = Layers(self.store.backend, self.store.root)
         self._clear_volumes()
         self.agent_layer = rootfs.prepare_agent_layer(cfg.data_dir / "agent-layer")
+        self._idmap_userns = rootfs.idmap_userns()
+        for host in self.records.pending_commits():  # the daemon died inside a commit
+            outcome = workspace_commit.recover(host)
+            log.warning("commit into %s interrupted by a crash: %s", host, outcome)
+            self.records.end_commit(host)
         log.info("storage: %s backend at %s", self.store.backend.name, self.store.root)
 
     def _reap_leftovers(self) -> None:
@@ -144,6 +161,8 @@ class Engine:
         SandboxCgroup.remove_group(self.config.cgroup_group)
         if self._unfavor is not None:
             self._unfavor()
+        if self._idmap_userns >= 0:
+            os.close(self._idmap_userns)
         if self.store is not None:
             self.store.close()
         if self.records is not None:
@@ -209,8 +228,10 @@ class Engine:
         cwd: str | None = None,
         timeout: float | None = None,
         memory_mb: int | None = None,
+        workspace: str | None = None,
     ) -> Live:
         _check_env(env)
+        branch = self._workspace_branch(workspace) if workspace is not None else None
         cwd = cwd or "/root"
         if not cwd.startswith("/") or ".." in cwd.split("/") or "\0" in cwd:
             raise errors.InvalidRequest(f"cwd must be an absolute path without '..': {cwd!r}")
@@ -221,7 +242,7 @@ class Engine:
         base = await self._base_layers(image)
         sid = new_id()
         key = secrets.token_hex(8)
-        stack = self.layers.new_stack([], base)
+        stack = self.layers.new_stack([], base, branch)
         cgroup = None
         try:
             cgroup = SandboxCgroup.create(self.config.cgroup_group, key, self._limits(memory_mb))
@@ -230,6 +251,7 @@ class Engine:
                 tree_fd=stack.tree(),
                 repl_cgroup_fds=cgroup.join_fds("repl"),
                 cmds_cgroup_fds=cgroup.join_fds("cmds"),
+                mounts=stack.mounts(),
                 hostname=sid,
                 env=full_env,
                 cwd=cwd,
@@ -248,7 +270,8 @@ class Engine:
             family=sid,
             instance=key,
             image=image,
-            meta={"cwd": cwd, "memory_mb": memory_mb, "timeout": timeout},
+            meta={"cwd": cwd, "memory_mb": memory_mb, "timeout": timeout,
+                  "workspace": str(branch.lower.host) if branch else None},
         )
         sb = Live(record, body, FamilyHandle(family, {sid}))
         self._adopt(sb, timeout)
@@ -415,7 +438,7 @@ class Engine:
             limits = self._limits(parent.record.meta.get("memory_mb"))
             for _ in range(n):
                 sid, key = new_id(), secrets.token_hex(8)
-                stack = self.layers.new_stack(lowers, pbody.layers.base)
+                stack = self.layers.new_stack(lowers, pbody.layers.base, pbody.layers.workspace)
                 try:
                     cgroup = SandboxCgroup.create(self.config.cgroup_group, key, limits)
                 except BaseException:
@@ -429,11 +452,13 @@ class Engine:
                 ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
                 body.channel = AgentChannel(ours)
                 repl_fds, cmds_fds = body.cgroup.join_fds("repl"), body.cgroup.join_fds("cmds")
-                fds = [body.layers.tree(), theirs.fileno(), *repl_fds, *cmds_fds]
+                mounts = body.layers.mounts()
+                fds = [body.layers.tree(), theirs.fileno(), *repl_fds, *cmds_fds,
+                       *(fd for fd, _ in mounts)]
                 try:
                     rid, queue = channel.open_request()
-                    slot = {"op": "fork_slot", "rid": rid, "id": sid,
-                            "nrepl": len(repl_fds), "ncmds": len(cmds_fds)}
+                    slot = {"op": "fork_slot", "rid": rid, "id": sid, "nrepl": len(repl_fds),
+                            "ncmds": len(cmds_fds), "mounts": [path for _, path in mounts]}
                     await channel.send(slot, fds=fds)
                     slot_calls.append(_drain(channel.events(rid, queue)))
                 finally:
@@ -481,6 +506,62 @@ class Engine:
             children.append(child)
         return children
 
+
+    # ----------------------------------------------------------------- workspaces
+    def _workspace_branch(self, workspace: str) -> WorkspaceBranch:
+        """Validate a host directory and open it as a new branch's workspace."""
+        if not isinstance(workspace, str) or not workspace.startswith("/") or "\0" in workspace:
+            raise errors.InvalidRequest(f"workspace must be an absolute path: {workspace!r}")
+        host = Path(os.path.realpath(workspace))
+        if not host.is_dir():
+            raise errors.InvalidRequest(f"workspace is not a directory on the host: {host}")
+        forbidden = [Path("/"), *(Path(p) for p in ("/proc", "/sys", "/dev", "/run"))]
+        data = self.config.data_dir.resolve()
+        if host in forbidden or host.is_relative_to(data) or data.is_relative_to(host) \
+                or any(host.is_relative_to(p) for p in forbidden[1:]):
+            raise errors.InvalidRequest(f"{host} cannot be a workspace")
+        lower = self._workspace_lowers.get(host)
+        if lower is None or lower.users == 0:
+            lower = WorkspaceLower(host, rootfs.idmapped_tree(host, self._idmap_userns))
+            self._workspace_lowers[host] = lower
+        return WorkspaceBranch(lower, since=time.time(),
+                               version=self._workspace_versions.get(host, 0))
+
+    async def commit(self, sandbox_id: str) -> dict:
+        """Write the sandbox's workspace changes into the host directory, crash-atomically.
+
+        First commit wins: a branch that started from an older version of the
+        directory (a sibling committed first) gets StaleBranch and nothing changes.
+        """
+        sb = self.get(sandbox_id)
+        branch = sb.body.layers.workspace
+        if branch is None:
+            raise errors.InvalidRequest(f"sandbox {sandbox_id} has no workspace")
+        host = branch.lower.host
+        await self._acquire(sb, self.config.busy_wait)
+        try:
+            current = self._workspace_versions.get(host, 0)
+            if branch.version != current:
+                raise errors.StaleBranch(
+                    f"{host} changed since sandbox {sandbox_id} branched from it: another "
+                    "sandbox committed first (first commit wins)")
+            layers = sb.body.layers.workspace_dirs()
+            sb.body.cgroup.freeze("cmds")  # no command writes while the delta is read
+            self.records.begin_commit(host)
+            try:
+                done = await asyncio.to_thread(workspace_commit.commit, layers, host,
+                                               since=branch.since, uid_shift=UID_BASE)
+            except workspace_commit.WorkspaceConflict as exc:
+                raise errors.Conflict(str(exc)) from None
+            finally:
+                sb.body.cgroup.freeze("cmds", frozen=False)
+                self.records.end_commit(host)
+            self._workspace_versions[host] = current + 1
+            branch.version, branch.since = current + 1, time.time()
+            return {"workspace": str(host), "changed": done.changed, "bytes": done.bytes,
+                    "version": current + 1}
+        finally:
+            sb.lock.release()
 
     # --------------------------------------------------------------------- merge
     def _fork_point(self, parent: Live, winner: Live) -> int:

@@ -67,6 +67,7 @@ async def spawn_family(
     tree_fd: int,
     repl_cgroup_fds: list[int],
     cmds_cgroup_fds: list[int],
+    mounts: list[tuple[int, str]] = (),
     hostname: str,
     env: dict[str, str],
     cwd: str,
@@ -77,12 +78,14 @@ async def spawn_family(
 ) -> tuple[Family, AgentChannel]:
     """Start a family whose first sandbox enters ``tree_fd``; returns it once the REPL answers.
 
-    Consumes ``tree_fd`` and the cgroup fds.
+    Consumes ``tree_fd``, the cgroup fds and the fds of ``mounts`` (more trees to
+    attach in the root: (fd, path in the sandbox)).
     """
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     status_r, status_w = os.pipe()
     go_r, go_w = os.pipe()
-    child_fds = [tree_fd, theirs.fileno(), status_w, go_r, *repl_cgroup_fds, *cmds_cgroup_fds]
+    child_fds = [tree_fd, theirs.fileno(), status_w, go_r, *repl_cgroup_fds, *cmds_cgroup_fds,
+                 *(fd for fd, _ in mounts)]
     spec = {
         "tree_fd": tree_fd,
         "ctrl_fd": theirs.fileno(),
@@ -90,6 +93,7 @@ async def spawn_family(
         "go_r": go_r,
         "repl_cgroup_fds": repl_cgroup_fds,
         "cmds_cgroup_fds": cmds_cgroup_fds,
+        "mounts": list(mounts),
         "attach": str(attach),
         "hostname": hostname,
         "env": env,
@@ -107,6 +111,7 @@ async def spawn_family(
                 json.dumps(spec),
                 pass_fds=child_fds,
                 stdin=asyncio.subprocess.DEVNULL,
+                start_new_session=True,  # no controlling terminal a sandbox could reach
                 stdout=log,
                 stderr=log,
             )

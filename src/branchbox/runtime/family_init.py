@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 
-from branchbox.agent import entry, sysc
+from branchbox.agent import confine, entry, sysc
 
 AGENT_BOOT = (
     "import sys; sys.path.insert(0, '/.branchbox'); "
@@ -35,15 +35,24 @@ AGENT_BOOT = (
 def _first_repl(spec: dict, status_w: int) -> None:
     try:
         cmds = spec["cmds_cgroup_fds"]
+        mounts = [(fd, path) for fd, path in spec["mounts"]]
         qinit = entry.enter_sandbox(
-            spec["tree_fd"], spec["attach"], spec["hostname"], spec["repl_cgroup_fds"], cmds
+            spec["tree_fd"], spec["attach"], spec["hostname"], spec["repl_cgroup_fds"], cmds,
+            mounts,
         )
         os.makedirs(spec["cwd"], exist_ok=True)
         os.chdir(spec["cwd"])
+        # Until here stdout/stderr were the daemon's log of this sandbox (entry errors
+        # land there); user code must not be able to write to a host file, so no more.
+        null = os.open("/dev/null", os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.close(null)
         keep = {spec["ctrl_fd"], *cmds}
         for fd in keep:
             os.set_inheritable(fd, True)
         entry.close_fds_except(keep)
+        confine.confine()  # inherited by every fork child and command from here on
         code = AGENT_BOOT.format(ctrl=spec["ctrl_fd"], qinit=qinit, cmds=cmds)
         os.execve(spec["python"], ["python3", "-c", code], spec["env"])
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the daemon

@@ -14,21 +14,28 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
+import subprocess
+import time
 from pathlib import Path
 
 from branchbox.agent import sysc
-from branchbox.storage.idmap import UID_BASE
+from branchbox.storage.idmap import UID_BASE, UID_COUNT
 
 _MOUNT_ATTR_NODEV = 0x4
 _AGENT_SOURCE = Path(__file__).resolve().parent.parent / "agent"
 
 
-def overlay_tree(upper: Path, work: Path, lowers: list[Path]) -> int:
-    """A detached overlay mount (close-on-exec fd); ``lowers`` top first."""
+def overlay_tree(upper: Path, work: Path, lowers: list[Path | int]) -> int:
+    """A detached overlay mount (close-on-exec fd); ``lowers`` top first, each a
+    directory or the fd of a (detached) mount."""
     fs = sysc.fsopen("overlay")
     try:
         for lower in lowers:
-            sysc.fsconfig(fs, sysc.FSCONFIG_SET_STRING, "lowerdir+", str(lower))
+            if isinstance(lower, int):
+                sysc.fsconfig_fd(fs, "lowerdir+", lower)
+            else:
+                sysc.fsconfig(fs, sysc.FSCONFIG_SET_STRING, "lowerdir+", str(lower))
         sysc.fsconfig(fs, sysc.FSCONFIG_SET_STRING, "upperdir", str(upper))
         sysc.fsconfig(fs, sysc.FSCONFIG_SET_STRING, "workdir", str(work))
         sysc.fsconfig(fs, sysc.FSCONFIG_CMD_CREATE)
@@ -41,7 +48,8 @@ def prepare_agent_layer(dest: Path) -> Path:
     """(Re)build the agent layer at ``dest``: /.branchbox/{bbagent,root,oldroot,proc}.
 
     Rebuilt at every daemon start so sandboxes always run the agent code of
-    the daemon that serves them. Owned by the sandbox's root (shifted ids).
+    the daemon that serves them. Owned by the host's root, so it shows as nobody's
+    inside and nothing in a sandbox can change it, even through its host path.
     """
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -51,8 +59,6 @@ def prepare_agent_layer(dest: Path) -> Path:
         shutil.copy2(src, top / "bbagent" / src.name)
     for mountpoint in ("root", "oldroot", "proc"):
         (top / mountpoint).mkdir()
-    for path in [tmp, *tmp.rglob("*")]:
-        os.lchown(path, UID_BASE, UID_BASE)
     tmp.chmod(0o755)
     top.chmod(0o755)
     old = dest.with_name(dest.name + ".old")
@@ -64,11 +70,72 @@ def prepare_agent_layer(dest: Path) -> Path:
     return dest
 
 
-def prepare_writable(volume: Path) -> tuple[Path, Path]:
-    """Create upper/ and work/ in a fresh volume; upper's root owned by sandbox root."""
-    upper, work = volume / "upper", volume / "work"
+def prepare_writable(volume: Path, workspace: Path | None = None) -> None:
+    """Lay out a fresh volume: upper/ and work/ for the root, and with a workspace also
+    ws/upper and ws/work for it plus its mount point (the host path) in the root.
+
+    The workspace's layers live in the same volume as the root's, so the one snapshot
+    a fork takes captures both at the same instant.
+    """
+    upper = volume / "upper"
+    (volume / "work").mkdir()
     upper.mkdir()
-    work.mkdir()
-    os.chown(upper, UID_BASE, UID_BASE)
-    upper.chmod(0o755)
-    return upper, work
+    _own(upper)
+    if workspace is None:
+        return
+    (volume / "ws").mkdir()
+    (volume / "ws" / "work").mkdir()
+    ws_upper = volume / "ws" / "upper"
+    ws_upper.mkdir()
+    # The overlay's top directory takes its owner and mode from the upper one: make it
+    # the host directory's, seen through the id shift like everything below it.
+    host = workspace.stat()
+    os.chown(ws_upper, host.st_uid + UID_BASE, host.st_gid + UID_BASE)
+    ws_upper.chmod(stat.S_IMODE(host.st_mode))
+    point = upper
+    for part in workspace.parts[1:]:
+        point = point / part
+        point.mkdir()
+        _own(point)
+
+
+def _own(path: Path) -> None:
+    os.chown(path, UID_BASE, UID_BASE)
+    path.chmod(0o755)
+
+
+def idmap_userns() -> int:
+    """An fd of a user namespace mapping 0..65535 onto the sandboxes' host range.
+
+    Idmapped mounts take their mapping from a user namespace; this one is made
+    once, by a throwaway `unshare --user` process (never a fork of the threaded
+    daemon), and outlives it through the fd.
+    """
+    holder = subprocess.Popen(["unshare", "--user", "--", "sleep", "60"],
+                              stdin=subprocess.DEVNULL)
+    try:
+        ours = os.readlink("/proc/self/ns/user")
+        deadline = time.monotonic() + 10
+        while os.readlink(f"/proc/{holder.pid}/ns/user") == ours:
+            if holder.poll() is not None or time.monotonic() > deadline:
+                raise OSError("could not create the id-mapping user namespace")
+            time.sleep(0.001)
+        mapping = f"0 {UID_BASE} {UID_COUNT}\n"
+        Path(f"/proc/{holder.pid}/uid_map").write_text(mapping)
+        Path(f"/proc/{holder.pid}/gid_map").write_text(mapping)
+        return os.open(f"/proc/{holder.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def idmapped_tree(path: Path, userns_fd: int) -> int:
+    """A detached mount of host directory ``path`` whose owners appear shifted into the
+    sandbox range: a host file of uid 0 is root's inside, uid 1000 is uid 1000's."""
+    tree = sysc.open_tree(str(path), sysc.OPEN_TREE_CLONE | os.O_CLOEXEC)
+    try:
+        sysc.mount_setattr_idmap(tree, userns_fd)
+    except BaseException:
+        os.close(tree)
+        raise
+    return tree

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Body, Response
 
 from branchbox.server.deps import NO_CONTENT, EngineDep
 from branchbox.server.models import KillCommand, PodflareExec, RunCode, RunCommand, WaitCommand
-from branchbox.server.streams import event_line, ndjson_response, opened
+from branchbox.server.streams import event_line, ndjson_response
 
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}", tags=["execution"])
 
@@ -25,8 +25,8 @@ router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}", tags=["execution"])
 @router.post("/run_code")
 async def run_code(sandbox_id: str, body: RunCode, engine: EngineDep) -> Response:
     """Run Python in the sandbox's persistent REPL; NDJSON ending in a ``result`` line."""
-    events = await opened(engine.stream(sandbox_id, "run_code", body.model_dump(exclude_none=True)))
-    return ndjson_response(events, lambda header: [event_line(header, "result")])
+    events = engine.stream(sandbox_id, "run_code", body.model_dump(exclude_none=True))
+    return await ndjson_response(events, lambda header: [event_line(header, "result")])
 
 
 @router.post("/commands", response_model=None)
@@ -35,8 +35,8 @@ async def run_command(sandbox_id: str, body: RunCommand, engine: EngineDep) -> R
     args = body.model_dump(exclude_none=True)
     if body.background:
         return await engine.call(sandbox_id, "exec", args)
-    events = await opened(engine.stream(sandbox_id, "exec", args))
-    return ndjson_response(events, lambda header: [event_line(header, "exit")])
+    return await ndjson_response(engine.stream(sandbox_id, "exec", args),
+                                 lambda header: [event_line(header, "exit")])
 
 
 @router.post("/commands/{pid}/wait")
@@ -62,8 +62,8 @@ async def podflare_exec(sandbox_id: str, body: PodflareExec, engine: EngineDep) 
         op, args = "exec", {"cmd": ["bash", "-c", body.code]}
     if body.timeout is not None:
         args["timeout"] = body.timeout
-    events = await opened(engine.stream(sandbox_id, op, args))
-    return ndjson_response(events, _podflare_lines(body.language))
+    return await ndjson_response(engine.stream(sandbox_id, op, args),
+                                 _podflare_lines(body.language))
 
 
 def _podflare_lines(language: str) -> Callable[[dict], list[dict]]:

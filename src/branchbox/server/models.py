@@ -58,6 +58,7 @@ class CreateSandbox(_Body):
     timeout: float | None = Field(None, validation_alias=AliasChoices("timeout",
                                                                       "timeout_seconds"))
     memory_mb: int | None = Field(None, validation_alias=AliasChoices("memory_mb", "ram_mib"))
+    workspace: SandboxPath | None = None  # a host directory, mounted copy-on-write
     # Accepted so Podflare's SDK can create sandboxes; the engine has no switch for either
     # yet (every sandbox is loopback-only and lives until closed or `timeout`).
     egress: bool = True

@@ -16,7 +16,8 @@ router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
 async def create_sandbox(body: CreateSandbox, engine: EngineDep) -> dict:
     """Start a sandbox; answers once its REPL is ready, with its info."""
     sb = await engine.create(image=body.image, env=body.env, cwd=body.cwd,
-                             timeout=body.timeout, memory_mb=body.memory_mb)
+                             timeout=body.timeout, memory_mb=body.memory_mb,
+                             workspace=body.workspace)
     return engine.info(sb.id)
 
 

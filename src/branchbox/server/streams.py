@@ -6,6 +6,10 @@ the response exists, and whatever fails that early (unknown sandbox, dead
 REPL, a path the agent refuses) becomes an ordinary HTTP error. Failures
 after that point end an NDJSON stream with an ``error`` line, and abort a
 byte stream mid-body so the client cannot mistake a partial file for a whole.
+
+A run whose first event is already its last (no output, the common short
+call) is answered in one piece: nothing is left to stream, and a plain
+response costs far less than a streaming one.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from branchbox.engine import errors
 from branchbox.server.errors import describe
@@ -27,12 +31,15 @@ NDJSON = "application/x-ndjson"
 
 async def opened(events: AsyncIterator[Event]) -> AsyncIterator[Event]:
     """``events`` with its first event already received (raising any early failure here)."""
+    return _resume(await _first(events), events)
+
+
+async def _first(events: AsyncIterator[Event]) -> Event:
     try:
-        first = await anext(events)
+        return await anext(events)
     except StopAsyncIteration:
         raise errors.EngineError("the sandbox's agent ended a request without answering") \
             from None
-    return _resume(first, events)
 
 
 async def _resume(first: Event, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
@@ -60,13 +67,19 @@ def error_line(exc: Exception) -> dict:
     return {"type": "error", "error": message, "kind": kind, "status": status}
 
 
-def ndjson_response(events: AsyncIterator[Event],
-                    to_lines: Callable[[dict], list[dict]]) -> StreamingResponse:
-    """Stream ``to_lines(header)`` for each event, one JSON object per line."""
+async def ndjson_response(events: AsyncIterator[Event],
+                          to_lines: Callable[[dict], list[dict]]) -> Response:
+    """``to_lines(header)`` for each event, one JSON object per line, once ``events`` is
+    opened (raising any early failure here)."""
+    first = await _first(events)
+    if first[0].get("ev") == "done":  # the agent's last event: the run is over
+        await events.aclose()  # type: ignore[attr-defined]
+        return Response(b"".join(map(_encode, to_lines(first[0]))), media_type=NDJSON)
+    rest = _resume(first, events)
 
     async def body() -> AsyncIterator[bytes]:
         try:
-            async for header, _ in events:
+            async for header, _ in rest:
                 for line in to_lines(header):
                     yield _encode(line)
         except Exception as exc:  # the status line is gone: report in-band

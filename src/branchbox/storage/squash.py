@@ -109,11 +109,14 @@ def apply_layer(src: str, dst: str) -> None:
 
 
 def squash(backend, volumes: list[Path], dst: Path) -> None:
-    """Make volume ``dst`` equal to the overlay of ``volumes`` (top first; each has upper/)."""
+    """Make volume ``dst`` equal to the overlay of ``volumes`` (top first; each has upper/,
+    and ws/upper when the sandbox has a workspace)."""
     backend.snapshot(volumes[-1], dst, readonly=False)
     try:
         for volume in reversed(volumes[:-1]):
-            apply_layer(str(volume / "upper"), str(dst / "upper"))
+            for layer in ("upper", "ws/upper"):  # the root, and a workspace if there is one
+                if (volume / layer).is_dir():
+                    apply_layer(str(volume / layer), str(dst / layer))
     except BaseException:
         backend.delete(dst)
         raise

@@ -1,0 +1,95 @@
+"""The seccomp filter and no_new_privs every sandbox process runs under.
+
+Installed once, by a family's first REPL right before it execs the image's
+python3; fork children and commands inherit it (filters survive fork and
+exec), so it is never stacked twice. It is a deny-list: sandbox root must
+keep what a root shell inside a container can do (mount inside its own
+namespaces, unshare, setns for its commands — the REPL itself needs those to
+set up fork children), and loses what only reaches the kernel or other
+processes' memory: ptrace and its relatives, kernel modules and kexec, BPF,
+perf events, keyrings, file handles (open_by_handle_at can escape a mount),
+and setns into anything but a PID namespace.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import struct
+
+from . import sysc
+
+_AUDIT_ARCH_X86_64 = 0xC000003E
+_SECCOMP_RET_ALLOW = 0x7FFF0000
+_SECCOMP_RET_ERRNO = 0x00050000
+_SECCOMP_RET_KILL_PROCESS = 0x80000000
+_PR_SET_SECCOMP = 22
+_SECCOMP_MODE_FILTER = 2
+
+# BPF opcodes
+_LD_W_ABS = 0x20
+_JEQ_K = 0x15
+_RET_K = 0x06
+
+# struct seccomp_data offsets
+_NR, _ARCH, _ARG1_LOW = 0, 4, 24
+
+_SYS_SETNS = 308
+DENIED = {
+    "ptrace": 101,
+    "process_vm_readv": 310,
+    "process_vm_writev": 311,
+    "kcmp": 312,
+    "pidfd_getfd": 438,
+    "init_module": 175,
+    "finit_module": 313,
+    "delete_module": 176,
+    "kexec_load": 246,
+    "kexec_file_load": 320,
+    "bpf": 321,
+    "perf_event_open": 298,
+    "add_key": 248,
+    "request_key": 249,
+    "keyctl": 250,
+    "open_by_handle_at": 304,
+    "name_to_handle_at": 303,
+    "userfaultfd": 323,
+    "swapon": 167,
+    "swapoff": 168,
+    "reboot": 169,
+    "acct": 163,
+}
+
+
+def _insn(code: int, jt: int, jf: int, k: int) -> bytes:
+    return struct.pack("HBBI", code, jt, jf, k)
+
+
+def _program() -> bytes:
+    eperm = _SECCOMP_RET_ERRNO | errno.EPERM
+    prog = [
+        _insn(_LD_W_ABS, 0, 0, _ARCH),
+        _insn(_JEQ_K, 1, 0, _AUDIT_ARCH_X86_64),
+        _insn(_RET_K, 0, 0, _SECCOMP_RET_KILL_PROCESS),  # another ABI: refuse outright
+        _insn(_LD_W_ABS, 0, 0, _NR),
+    ]
+    for nr in DENIED.values():
+        prog += [_insn(_JEQ_K, 0, 1, nr), _insn(_RET_K, 0, 0, eperm)]
+    prog += [
+        _insn(_JEQ_K, 0, 3, _SYS_SETNS),
+        _insn(_LD_W_ABS, 0, 0, _ARG1_LOW),
+        _insn(_JEQ_K, 1, 0, sysc.CLONE_NEWPID),
+        _insn(_RET_K, 0, 0, eperm),
+        _insn(_RET_K, 0, 0, _SECCOMP_RET_ALLOW),
+    ]
+    return b"".join(prog)
+
+
+def confine() -> None:
+    """no_new_privs, then the filter, for this process and everything it will start."""
+    sysc.prctl(sysc.PR_SET_NO_NEW_PRIVS, 1)
+    code = _program()
+    filters = ctypes.create_string_buffer(code)
+    fprog = struct.pack("HxxxxxxQ", len(code) // 8, ctypes.addressof(filters))
+    buf = ctypes.create_string_buffer(fprog)
+    sysc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.addressof(buf))

@@ -1,0 +1,61 @@
+"""A private daemon for one benchmark run, in a fresh data directory.
+
+Not the default daemon: numbers must not be disturbed by anyone else's
+sandboxes, and a benchmark must not leave 1,000 children in someone's store.
+It is a separate process, as in production, so the SDK's cost (HTTP over the
+unix socket) is part of every number.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+from branchbox.server.address import socket_path
+
+START_TIMEOUT = 120.0  # the first start may build the default image
+
+
+class DaemonError(RuntimeError):
+    """The benchmark daemon did not start; the message names its log."""
+
+
+class Daemon:
+    """``branchbox serve`` on a temporary data directory, stopped (and the directory
+    removed) on exit."""
+
+    def __init__(self) -> None:
+        self.data_dir = Path(tempfile.mkdtemp(prefix="branchbox-bench-"))
+        self.data_dir.chmod(0o755)  # a sandbox's mapped root traverses it
+        self.log_path = self.data_dir / "daemon.log"
+        self.url = f"unix://{socket_path(self.data_dir)}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Daemon:
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "branchbox", "serve", "--data-dir", str(self.data_dir)],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + START_TIMEOUT
+        while not socket_path(self.data_dir).exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self._stop()
+                raise DaemonError(f"the benchmark daemon did not start; see {self.log_path}")
+            time.sleep(0.1)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._stop()
+        if exc_type is None:  # on failure, keep the log for whoever looks into it
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def _stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()  # SIGTERM closes every sandbox and unmounts the store
+            self.proc.wait(120)
