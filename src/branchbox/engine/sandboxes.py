@@ -36,10 +36,10 @@ from branchbox.runtime import rootfs
 from branchbox.runtime.cgroups import Limits, SandboxCgroup, favor_dynamic_moves
 from branchbox.runtime.channel import AgentChannel, AgentError
 from branchbox.runtime.family import Family, spawn_family
-from branchbox.storage.backend import choose_backend
-from branchbox.storage.images import ImageNotFound, ensure_image
 from branchbox.storage import workspace_commit
+from branchbox.storage.backend import choose_backend
 from branchbox.storage.idmap import UID_BASE
+from branchbox.storage.images import ImageNotFound, ensure_image
 from branchbox.storage.layerdiff import diff_layers
 
 log = logging.getLogger("branchbox.engine")
