@@ -115,12 +115,17 @@ def _leftovers() -> list[str]:
 
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
-    """After the whole suite: no mount, cgroup, loop device or sandbox process is left."""
+    """After the whole suite: no mount, cgroup, loop device or sandbox process is left.
+
+    Only what the suite itself left counts: anything that was there before it started
+    (another daemon on the machine, say) is not its leak.
+    """
+    before = set(_leftovers())
     yield
     # Session fixtures (the engines) are finalized before this one, which was set up first.
     # A family's init dies just after its launcher, asynchronously: allow it a moment.
     deadline = time.monotonic() + 3
-    while (leaks := _leftovers()) and time.monotonic() < deadline:
+    while (leaks := sorted(set(_leftovers()) - before)) and time.monotonic() < deadline:
         time.sleep(0.05)
     if leaks:
         pytest.fail("the test suite left these behind:\n" + "\n".join(leaks), pytrace=False)

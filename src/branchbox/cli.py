@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import json
 import os
+import shlex
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,6 +26,14 @@ from rich.markup import escape
 from rich.table import Table
 
 from branchbox.engine.config import DEFAULT_DATA_DIR
+from branchbox.patterns import (
+    Candidate,
+    Outcome,
+    PatternTimeout,
+    best_of_n,
+    reflexion,
+    speculate,
+)
 from branchbox.sdk import CommandResult, Sandbox, SandboxError
 
 # Piped output is not cut to 80 columns: the ids in tables are for copying whole.
@@ -276,3 +285,192 @@ def remove(
         Sandbox.connect(sandbox_id).close()
     if as_json:
         emit_json({"closed": sandbox_ids})
+
+
+# ------------------------------------------------------------------ patterns on a directory
+
+Directory = Annotated[Path, typer.Option(
+    "-C", "--directory", help="The directory the candidates branch and the winner is "
+                              "committed into (default: the current one).")]
+PatternTimeoutOption = Annotated[float | None, typer.Option(
+    "--timeout", help="Stop every candidate after this many seconds in all; the directory "
+                      "is then left unchanged.")]
+Cmd = Annotated[list[str], typer.Argument(
+    help="The command after `--`: one argument is run by bash (quote it for `&&` and "
+         "pipes), several are the argv.", show_default=False)]
+SCORE_FILE = "/tmp/.branchbox-score"
+# An environment variable holds at most 128 KiB; feedback keeps the end, where errors are.
+FEEDBACK_LIMIT = 64 << 10
+
+
+def shell_line(cmd: list[str]) -> str:
+    return cmd[0] if len(cmd) == 1 else shlex.join(cmd)
+
+
+def bash(child: Sandbox, root: str, script: str, *args: str, **env: str) -> CommandResult:
+    """``script`` run by bash (``$1``... are ``args``) in the workspace directory of ``child``."""
+    result = child.exec(["bash", "-c", script, "bash", *args], cwd=root, env=env)
+    assert isinstance(result, CommandResult)
+    return result
+
+
+def exited_zero(child: Sandbox, result: CommandResult) -> bool:
+    return result.exit_code == 0
+
+
+def letters(index: int) -> str:
+    """a, b, ... z, aa, ab ...: the names of speculate's candidates (fix-a, fix-b...)."""
+    name = ""
+    index += 1
+    while index:
+        index, rest = divmod(index - 1, 26)
+        name = chr(ord("a") + rest) + name
+    return name
+
+
+def branch_out(root: str, as_json: bool, label: Callable[[int], str],
+               pattern: Callable[[Sandbox], Outcome]) -> None:
+    """Run ``pattern`` in a sandbox whose workspace is the directory ``root``, commit its
+    winner there, and report every candidate; exit 1 when nothing was committed."""
+    committed: dict | None = None
+    timed_out = False
+    with Sandbox(workspace=root, cwd=root) as sandbox:
+        try:
+            outcome = pattern(sandbox)
+        except PatternTimeout as exc:
+            outcome, timed_out = exc.outcome, True
+        if outcome.winner is not None:
+            committed = sandbox.commit()
+    if as_json:
+        emit_json({"directory": root, "timed_out": timed_out, "committed": committed,
+                   "winner": None if outcome.winner is None else label(outcome.winner.index),
+                   "candidates": [candidate_json(c, label(c.index))
+                                  for c in outcome.candidates]})
+    else:
+        report(outcome, label, root, committed)
+        if committed is None:
+            err.print(f"{'timed out' if timed_out else 'no candidate succeeded'}; "
+                      f"{escape(root)} is unchanged")
+    if committed is None:
+        raise typer.Exit(1)
+
+
+def candidate_json(candidate: Candidate, name: str) -> dict[str, Any]:
+    result = candidate.result
+    return {"name": name, "sandbox_id": candidate.sandbox_id, "status": candidate.status,
+            "score": candidate.score, "duration": candidate.duration,
+            "error": None if candidate.error is None else str(candidate.error),
+            "feedback": candidate.feedback,
+            **(dataclasses.asdict(result) if isinstance(result, CommandResult) else {})}
+
+
+def verdict(candidate: Candidate, pattern: str) -> str:
+    """How a candidate ended, in a few words."""
+    result = candidate.result
+    if candidate.status in ("aborted", "timed_out"):
+        return candidate.status.replace("_", " ")
+    if candidate.error is not None:
+        return f"error: {candidate.error}"
+    if isinstance(result, CommandResult) and result.exit_code != 0:
+        return f"failed (exit {result.exit_code})"
+    # Only best_of_n ranks by score; the others score a success 1.0.
+    return f"score {candidate.score:g}" if pattern == "best_of_n" else "success"
+
+
+def report(outcome: Outcome, label: Callable[[int], str], root: str,
+           committed: dict | None) -> None:
+    """``fix-b: success, committed into /dir (3 files changed)``, then one line per way the
+    others ended: ``fix-a, fix-c: aborted``."""
+    winner, pattern = outcome.winner, outcome.pattern
+    if winner is not None and committed is not None:
+        out.print(f"{label(winner.index)}: {verdict(winner, pattern)}, committed into "
+                  f"{escape(root)} ({len(committed['changed'])} files changed)")
+    groups: dict[str, list[str]] = {}
+    for candidate in outcome.candidates:
+        if candidate is not winner:
+            groups.setdefault(verdict(candidate, pattern), []).append(label(candidate.index))
+    for text, names in groups.items():
+        out.print(f"{', '.join(names)}: {escape(text)}")
+
+
+@command("speculate")
+def speculate_command(
+    cmd: Annotated[list[str], typer.Option(
+        "-c", "--cmd", help="A candidate command, run by bash in the directory (repeat: "
+                            "one candidate each).", show_default=False)],
+    directory: Directory = Path("."),
+    timeout: PatternTimeoutOption = None,
+    as_json: Json = False,
+) -> None:
+    """Race commands in branches of a directory; the first that exits 0 is committed into it.
+
+    The others are killed and their changes discarded. Candidates are named fix-a, fix-b...
+    in the order given.
+    """
+    root = str(directory.resolve())
+    candidates = [lambda child, index, script=c: bash(child, root, script) for c in cmd]
+    branch_out(root, as_json, lambda i: f"fix-{letters(i)}", lambda sb: speculate(
+        sb, candidates, success=exited_zero, timeout=timeout))
+
+
+@command("best-of-n")
+def best_of_n_command(
+    cmd: Cmd,
+    n: Annotated[int, typer.Option("-n", "--n", help="How many attempts.")] = 3,
+    directory: Directory = Path("."),
+    timeout: PatternTimeoutOption = None,
+    as_json: Json = False,
+) -> None:
+    """Run a command N times at once in branches of a directory; commit the best-scoring one.
+
+    Each attempt gets its number (0..N-1) in $BRANCHBOX_ATTEMPT and prints its score to fd 3
+    (the last line counts, e.g. `echo 0.9 >&3`). The highest score wins, ties to the lowest
+    attempt; an attempt that exits non-zero cannot win. Put the command after `--`.
+    """
+    root = str(directory.resolve())
+
+    def attempt(child: Sandbox, index: int) -> CommandResult:
+        return bash(child, root, 'bash -c "$1" 3>"$2"', shell_line(cmd), SCORE_FILE,
+                    BRANCHBOX_ATTEMPT=str(index))
+
+    def score(child: Sandbox, result: CommandResult) -> float | None:
+        if result.exit_code != 0:
+            return None  # cannot win; its output stays in the record
+        lines = child.files.read(SCORE_FILE).decode(errors="replace").split()
+        if not lines:
+            raise ValueError("the command printed no score to fd 3 (e.g. `echo 0.9 >&3`)")
+        return float(lines[-1])
+
+    branch_out(root, as_json, lambda i: f"attempt-{i}",
+               lambda sb: best_of_n(sb, n, task=attempt, score=score, timeout=timeout))
+
+
+@command("reflexion")
+def reflexion_command(
+    cmd: Cmd,
+    retries: Annotated[int, typer.Option(help="Attempts after the first.")] = 3,
+    critique: Annotated[str | None, typer.Option(
+        help="Run by bash in a failed attempt's branch; its output is the next attempt's "
+             "feedback (default: the failed command's own output).")] = None,
+    directory: Directory = Path("."),
+    timeout: PatternTimeoutOption = None,
+    as_json: Json = False,
+) -> None:
+    """Retry a command in fresh branches of a directory until it exits 0; commit that one.
+
+    Each attempt gets its number in $BRANCHBOX_ATTEMPT and the previous attempt's critique in
+    $BRANCHBOX_FEEDBACK (empty at first; at most its last 64 KiB). Put the command after `--`.
+    """
+    root = str(directory.resolve())
+
+    def attempt(child: Sandbox, index: int, feedback: str | None) -> CommandResult:
+        return bash(child, root, shell_line(cmd), BRANCHBOX_ATTEMPT=str(index),
+                    BRANCHBOX_FEEDBACK=feedback or "")
+
+    def review(child: Sandbox, result: CommandResult) -> str:
+        said = result if critique is None else bash(child, root, critique)
+        return (said.stdout + said.stderr).rstrip()[-FEEDBACK_LIMIT:]
+
+    branch_out(root, as_json, lambda i: f"attempt-{i}", lambda sb: reflexion(
+        sb, task=attempt, success=exited_zero, critique=review, retries=retries,
+        timeout=timeout))

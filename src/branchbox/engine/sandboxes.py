@@ -318,10 +318,15 @@ class Engine:
             await sb.family.family.kill()
 
     async def _destroy_body(self, body: Body) -> None:
-        await asyncio.to_thread(body.cgroup.remove)
-        if body.channel is not None:
-            await body.channel.close()
-        self.layers.release(body.layers)
+        """Kill, disconnect and free a body; each step runs even if an earlier one failed."""
+        try:
+            await asyncio.to_thread(body.cgroup.remove)
+        finally:
+            try:
+                if body.channel is not None:
+                    await body.channel.close()
+            finally:
+                self.layers.release(body.layers)
 
     # --------------------------------------------------------------------- calls
     async def _acquire(self, sb: Live, wait: float | None) -> None:
@@ -430,10 +435,10 @@ class Engine:
         made: list[tuple[str, Body]] = []
         fresh: list[FrozenLayer] = []
         try:
-            fresh.append(self.layers.freeze(pbody.layers))
+            fresh.append(await asyncio.to_thread(self.layers.freeze, pbody.layers))
             lowers = [fresh[0], *pbody.layers.frozen]
             if len(lowers) > MAX_CHAIN:
-                fresh.append(self.layers.squash(lowers))
+                fresh.append(await asyncio.to_thread(self.layers.squash, lowers))
                 lowers = [fresh[-1]]
             limits = self._limits(parent.record.meta.get("memory_mb"))
             for _ in range(n):
@@ -551,11 +556,19 @@ class Engine:
             try:
                 done = await asyncio.to_thread(workspace_commit.commit, layers, host,
                                                since=branch.since, uid_shift=UID_BASE)
-            except workspace_commit.WorkspaceConflict as exc:
+            except workspace_commit.WorkspaceConflict as exc:  # refused before any change
+                self.records.end_commit(host)
                 raise errors.Conflict(str(exc)) from None
+            except Exception as exc:
+                # It may have failed after its commit point: finish or undo it now, so the
+                # directory is entirely old or entirely new before anyone looks.
+                outcome = await asyncio.to_thread(workspace_commit.recover, host)
+                self.records.end_commit(host)
+                raise errors.EngineError(f"commit into {host} failed ({outcome}): "
+                                         f"{type(exc).__name__}: {exc}") from None
             finally:
                 sb.body.cgroup.freeze("cmds", frozen=False)
-                self.records.end_commit(host)
+            self.records.end_commit(host)
             self._workspace_versions[host] = current + 1
             branch.version, branch.since = current + 1, time.time()
             return {"workspace": str(host), "changed": done.changed, "bytes": done.bytes,
@@ -590,6 +603,13 @@ class Engine:
             parent.lock.release()
             raise
         try:
+            # Re-check under the locks: another merge or a close may have won meanwhile.
+            if self.live.get(sandbox_id) is not parent or self.live.get(winner_id) is not winner:
+                raise errors.SandboxNotFound()
+            if self._fork_point(parent, winner) != parent.generation:
+                raise errors.StaleBranch(
+                    f"{winner_id} is stale: {sandbox_id} changed by another merge after it "
+                    "was forked (first merge wins)")
             self._check_alive(winner)
             old = parent.body
             parent.body = winner.body
@@ -627,8 +647,12 @@ class Engine:
             if not isinstance(path, str) or not path.startswith("/") or "\0" in path \
                     or ".." in path.split("/"):
                 raise errors.InvalidRequest(f"diff paths must be absolute without '..': {path!r}")
-        return await asyncio.to_thread(diff_layers, mine.body.layers.layer_dirs(),
-                                       other.body.layers.layer_dirs(), paths)
+        try:
+            return await asyncio.to_thread(diff_layers, mine.body.layers.layer_dirs(),
+                                           other.body.layers.layer_dirs(), paths)
+        except FileNotFoundError:  # a layer went away under the walk
+            raise errors.Conflict("a sandbox was closed or merged while the diff was read; "
+                                  "diff live sandboxes") from None
 
 
 async def _drain(events: AsyncIterator) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from branchbox.patterns._core import Candidate, Outcome, Run, Score, Verdict, best, scored
+from branchbox.patterns._core import Candidate, Outcome, Run, Score, Verdict, ranked, scored
 from branchbox.sdk import Sandbox
 
 
@@ -30,11 +30,8 @@ def beam_search(sb: Sandbox, *, step: Callable[[Sandbox, tuple[int, ...]], Any],
         beam: list[Candidate | None] = [None]
         for level in range(depth):
             grown = run.expand(beam, branching, level, job)
-            ranked: list[Candidate] = []
-            while len(ranked) < width and (node := best(set(grown) - set(ranked))):
-                ranked.append(node)
-            if not ranked:
+            if not (survivors := ranked(grown)[:width]):
                 break
-            beam = list(ranked)
+            beam = list(survivors)
             run.prune(beam)
         return run.finish(beam[0])

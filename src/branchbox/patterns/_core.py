@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, NamedTuple
 
@@ -39,8 +39,9 @@ Success = Callable[[Sandbox, Any], bool]
 """``success(child, result)``: did this candidate succeed?"""
 Critique = Callable[[Sandbox, Any], str]
 """``critique(child, result)``: what went wrong, fed to the next attempt."""
-Score = Callable[[Sandbox, Any], float]
-"""``score(child, result)``: higher is better."""
+Score = Callable[[Sandbox, Any], float | None]
+"""``score(child, result)``: higher is better; None disqualifies the candidate (it cannot win,
+its result is kept)."""
 
 
 @dataclass(eq=False)
@@ -115,8 +116,8 @@ Job = Callable[[Sandbox, Candidate], Verdict]
 
 def scored(child: Sandbox, result: Any, score: Score) -> Verdict:
     """The verdict of a scored candidate; a NaN score fails it, as NaN cannot be ranked."""
-    value = float(score(child, result))
-    if math.isnan(value):
+    value = score(child, result)
+    if value is not None and math.isnan(value := float(value)):
         raise ValueError("the score function returned NaN")
     return Verdict(result, value)
 
@@ -135,10 +136,16 @@ def succeeded(candidate: Candidate) -> bool:
     return candidate.score == 1.0
 
 
+def ranked(candidates: Iterable[Candidate | None]) -> list[Candidate]:
+    """The finished candidates with a score, best first: highest score, ties to the lowest
+    index."""
+    finished = [c for c in candidates if c is not None and c.ok and c.score is not None]
+    return sorted(finished, key=lambda c: (-(c.score or 0.0), c.index))
+
+
 def best(candidates: Iterable[Candidate | None]) -> Candidate | None:
-    """The finished candidate with the highest score, ties to the lowest index."""
-    ranked = [c for c in candidates if c is not None and c.ok and c.score is not None]
-    return max(ranked, key=lambda c: (c.score, -c.index), default=None)
+    """The first of ``ranked``, or None."""
+    return next(iter(ranked(candidates)), None)
 
 
 class _Expired(Exception):

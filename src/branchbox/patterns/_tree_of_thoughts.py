@@ -5,7 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from branchbox.patterns._core import Candidate, Outcome, Run, Score, Verdict, best, scored
+from branchbox.patterns._core import (
+    Candidate,
+    Outcome,
+    Run,
+    Score,
+    Verdict,
+    best,
+    ranked,
+    scored,
+)
 from branchbox.sdk import Sandbox
 
 
@@ -35,8 +44,8 @@ def tree_of_thoughts(sb: Sandbox, *, step: Callable[[Sandbox, tuple[int, ...]], 
         for level in range(depth):
             grown = run.expand(frontier, branching, level, job)
             leader = best([leader, *grown])
-            frontier = [node for node in grown if node.ok and node.score is not None
-                        and (threshold is None or node.score >= threshold)]
+            frontier = [node for node in ranked(grown)
+                        if threshold is None or (node.score or 0.0) >= threshold]
             run.prune([leader, *frontier])
             if not frontier:
                 break

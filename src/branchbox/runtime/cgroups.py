@@ -166,6 +166,8 @@ class SandboxCgroup:
 
     def freeze(self, leaf: str | None = None, frozen: bool = True) -> None:
         """Freeze (or thaw) the whole sandbox or one leaf; returns once it took effect."""
+        if not self.dirs:  # removed (the sandbox was closed meanwhile): nothing to do
+            return
         if self.version == 2:
             target = self.dirs[0] / leaf if leaf else self.dirs[0]
             (target / "cgroup.freeze").write_text("1" if frozen else "0")

@@ -36,6 +36,11 @@ def overlay_tree(upper: Path, work: Path, lowers: list[Path | int]) -> int:
                 sysc.fsconfig_fd(fs, "lowerdir+", lower)
             else:
                 sysc.fsconfig(fs, sysc.FSCONFIG_SET_STRING, "lowerdir+", str(lower))
+        # Pinned, not left to the host's module defaults: diff, squash and commit read
+        # the layers directly and understand whiteouts and opaque dirs, not metacopy
+        # files, redirects or an index.
+        for option in ("metacopy", "redirect_dir", "index"):
+            sysc.fsconfig(fs, sysc.FSCONFIG_SET_STRING, option, "off")
         sysc.fsconfig(fs, sysc.FSCONFIG_SET_STRING, "upperdir", str(upper))
         sysc.fsconfig(fs, sysc.FSCONFIG_SET_STRING, "workdir", str(work))
         sysc.fsconfig(fs, sysc.FSCONFIG_CMD_CREATE)

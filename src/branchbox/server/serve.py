@@ -64,7 +64,9 @@ def serve(data_dir: Path | str = DEFAULT_DATA_DIR, host: str | None = None,
             logging.getLogger("branchbox.server").warning(
                 "listening on TCP without API keys: anyone who can reach %s runs code as "
                 "this daemon's sandboxes; set BRANCHBOX_API_KEY or --api-keys", url)
-    server = uvicorn.Server(uvicorn.Config(app, timeout_graceful_shutdown=10))
+    # No access log: a line per request costs a small call a good part of its latency
+    # (and floods the log); failures are still logged.
+    server = uvicorn.Server(uvicorn.Config(app, timeout_graceful_shutdown=10, access_log=False))
     # uvicorn re-raises the signal it shut down for; SIGTERM then ends the process
     # through this handler, so the `finally` below still removes the socket file.
     previous = signal.signal(signal.SIGTERM, _exit_cleanly)

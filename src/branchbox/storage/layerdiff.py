@@ -95,15 +95,34 @@ def _view_files(layers: list[Path], prefix: str) -> set[str]:
     return {p for p in found if (r := resolve(layers, p)) and not stat.S_ISDIR(r[1].st_mode)}
 
 
+def _replaces(layer: Path, prefix: str) -> bool:
+    """Whether ``layer`` hides what lies below it at ``prefix``: a whiteout, a file or an
+    opaque directory at the prefix or at one of its ancestors."""
+    parts = [p for p in prefix.split("/") if p]
+    for depth in range(1, len(parts) + 1):
+        path = f"{layer}/{'/'.join(parts[:depth])}"
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return False
+        if not stat.S_ISDIR(st.st_mode) or _is_opaque(path):
+            return True
+    return False
+
+
 def _candidates(unshared: list[Path], others: list[list[Path]], prefix: str) -> set[str]:
     """Paths under ``prefix`` that an unshared layer may have changed."""
     found: set[str] = set()
     for layer in unshared:
+        if _replaces(layer, prefix):  # e.g. `rm -rf /tmp`: the prefix itself went
+            for stack in others:
+                found |= _view_files(stack, prefix)
         top = f"{layer}/{prefix}"
         for sub, st in _walk(top):
             rel = _join(prefix, sub)
             if stat.S_ISDIR(st.st_mode):
                 if _is_opaque(f"{top}/{sub}"):
+                    found.add(rel)  # it may replace a file of the same name
                     for stack in others:
                         found |= _view_files(stack, rel)
             else:
