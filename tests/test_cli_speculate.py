@@ -46,7 +46,7 @@ def repo() -> Iterator[Path]:
     (path / "calc.py").write_text(BUGGY)
     (path / "test_calc.py").write_text(TESTS)
     (path / ".gitignore").write_text(".vendor/\n")
-    for name in ("pytest", "_pytest", "py", "pluggy", "iniconfig", "packaging"):
+    for name in ("pytest", "_pytest", "py", "pluggy", "iniconfig", "packaging", "pygments"):
         spec = importlib.util.find_spec(name)
         assert spec is not None and spec.origin is not None
         source = Path(spec.origin)
@@ -68,7 +68,7 @@ def branchbox(*args: str, cwd: Path | None = None) -> subprocess.CompletedProces
 
 def test_speculate_commits_the_first_passing_fix(repo) -> None:
     done = branchbox("speculate", "-c", f"{fix('a * b')} && {PYTEST}",
-                     "-c", f"{fix('a + b')} && touch fixed-b && {PYTEST}",
+                     "-c", f"sleep 1; {fix('a + b')} && touch fixed-b && {PYTEST}",
                      "-c", f"{fix('b + a')} && sleep 60 && {PYTEST}", cwd=repo)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [

@@ -117,6 +117,7 @@ def test_n_is_validated_and_nothing_is_created(sandbox, harness) -> None:
 
 
 def test_failed_child_creation_cleans_up(sandbox, harness, monkeypatch) -> None:
+    portal.run(harness.engine.settle())  # no warm sandbox is being started meanwhile
     before = set(harness.engine.live)
     volumes = set(harness.engine.layers.root.iterdir())
     real_create = cgroups.SandboxCgroup.create

@@ -1,23 +1,28 @@
 """The child side of fork: the REPL process forks itself; each child enters its own sandbox.
 
-The daemon first sends one ``fork_slot`` per child (its root tree, control
-socket and cgroup fds, over SCM_RIGHTS), then ``fork``. The REPL:
+The daemon sends one ``fork_slot`` per child (its root tree, control socket,
+cgroup fds and extra mounts, over SCM_RIGHTS), then ``fork`` to end the
+batch. The REPL forks each child the moment its slot arrives, so a child sets
+itself up while the daemon prepares the next; the REPL runs nothing else in
+between, so every child starts from the same instant. With the first slot the
+REPL:
 
 1. looks at its own fds and thread count through a private, momentary mount
    of its family's /proc (its regular /proc shows the command namespace Q,
    where the REPL itself does not appear);
-2. relies on ``pid_for_children`` being the family namespace P (it is, except
-   while a command starts: see :func:`command_spawning`), so children are
-   flat in P — a namespace per generation would stop at 32 levels and tie a
-   child's life to its parent's;
-3. freezes the garbage collector's view of every live object (``gc.freeze``,
-   so no collection ever writes to the shared pages) and ``fork()``s once per
-   slot. Memory is shared copy-on-write by the kernel: nothing is serialized.
-   Each child enters its sandbox (``entry``), restores the working directory,
-   re-opens inherited regular files in its own root at the same offsets (so
-   its writes never land in the parent's files), closes inherited sockets,
-   and serves its own control socket;
-4. answers with the children's pids.
+2. freezes the garbage collector's view of every live object (``gc.freeze``,
+   so no collection ever writes to the shared pages).
+
+Then, per slot, it ``fork()``s, relying on ``pid_for_children`` being the
+family namespace P (it is, except while a command starts: see
+:func:`command_spawning`), so children are flat in P — a namespace per
+generation would stop at 32 levels and tie a child's life to its parent's.
+Memory is shared copy-on-write by the kernel: nothing is serialized. Each
+child enters its sandbox (``entry``), restores the working directory,
+re-opens inherited files and directories in its own root at the same offsets
+(so its writes never land in the parent's files), turns every other
+inherited fd (sockets, pipes) into /dev/null, and serves its own control
+socket.
 """
 
 from __future__ import annotations
@@ -55,11 +60,30 @@ class _Slot:
 
 
 @dataclass
+class _Batch:
+    """What every child of one fork inherits, looked at once when its first slot arrives."""
+
+    started: float
+    reopen: list[tuple[int, str, int, int]]
+    close: list[int]
+    threads: int
+    cwd: str
+    pids: list[int] = field(default_factory=list)
+
+    @property
+    def warning(self) -> str | None:
+        if self.threads <= 1:
+            return None
+        return (f"the REPL had {self.threads} threads at fork time; a fork child has only "
+                "the thread that forked, so locks held by the others stay held")
+
+
+@dataclass
 class _State:
     qinit_pidfd: int = -1  # Q's init: setns() to it makes new processes commands
     family_pidfd: int = -1  # ourselves: setns() to it makes new processes land in P
     cmds_cgroup: list[int] = field(default_factory=list)
-    slots: list[_Slot] = field(default_factory=list)
+    batch: _Batch | None = None  # a fork in progress (between the first slot and "fork")
     warning: str | None = None
 
 
@@ -106,8 +130,9 @@ def take_warning() -> str | None:
 
 
 def handle_fork_slot(agent, req: dict, payload: bytes, fds: list[int]) -> None:
-    """One child to be: fds = [root tree, control socket, *repl cgroup, *cmds cgroup,
-    *trees to attach at ``req["mounts"]`` (paths)]."""
+    """Fork one child now. fds = [root tree, control socket, *repl cgroup, *cmds cgroup,
+    *trees to attach at ``req["mounts"]`` (paths)]. The first slot of a fork opens the
+    batch; "fork" closes it."""
     nrepl, ncmds, paths = int(req["nrepl"]), int(req["ncmds"]), list(req.get("mounts", ()))
     if len(fds) != 2 + nrepl + ncmds + len(paths):
         for fd in fds:
@@ -116,10 +141,47 @@ def handle_fork_slot(agent, req: dict, payload: bytes, fds: list[int]) -> None:
         return
     repl_end, cmds_end = 2 + nrepl, 2 + nrepl + ncmds
     mounts = list(zip(fds[cmds_end:], paths, strict=True))
-    STATE.slots.append(
-        _Slot(req["id"], fds[0], fds[1], fds[2:repl_end], fds[repl_end:cmds_end], mounts)
-    )
-    agent.done(req["rid"], {"slots": len(STATE.slots)})
+    slot = _Slot(req["id"], fds[0], fds[1], fds[2:repl_end], fds[repl_end:cmds_end], mounts)
+    parent = os.getpid()
+    try:
+        batch = STATE.batch or _open_batch(agent, slot)
+        pid = _fork_flat()  # born in P: pid_for_children is P outside command_spawning
+        if pid == 0:
+            _become_child(agent, slot, batch)
+            return  # the child goes back to the request loop, now on its own socket
+        batch.pids.append(pid)
+    finally:
+        if os.getpid() == parent:  # whatever happened, the slot's fds are spent here
+            for fd in slot.fds():
+                os.close(fd)
+    agent.done(req["rid"], {"pid": pid})
+
+
+def _open_batch(agent, slot: _Slot) -> _Batch:
+    started = time.perf_counter()
+    skip = {agent.sock.fileno(), *_inherited(), *slot.fds()}
+    reopen, close, threads = _inspect_fds(skip)
+    # Objects alive now move to the permanent generation: the cyclic GC never walks
+    # them again, in the children or here, so it never writes to (and so copies) the
+    # pages they share. A full collection would otherwise copy the whole heap per child.
+    gc.freeze()
+    STATE.batch = _Batch(started, reopen, close, threads, os.getcwd())
+    return STATE.batch
+
+
+def _inherited() -> list[int]:
+    """This REPL's own sandbox fds, which a child closes (it gets its own)."""
+    return [STATE.qinit_pidfd, STATE.family_pidfd, *STATE.cmds_cgroup]
+
+
+def handle_fork(agent, req: dict, payload: bytes, fds: list[int]) -> None:
+    """End of a fork: how long the REPL was held, and how many threads it had."""
+    batch, STATE.batch = STATE.batch, None
+    if batch is None:
+        agent.fail(req["rid"], "InvalidRequest", "fork without fork_slot")
+        return
+    agent.done(req["rid"], {"pids": batch.pids, "threads": batch.threads,
+                            "paused": time.perf_counter() - batch.started})
 
 
 def _inspect_fds(skip: set[int]) -> tuple[list[tuple[int, str, int, int]], list[int], int]:
@@ -178,21 +240,9 @@ def _reopen(reopen: list[tuple[int, str, int, int]], close: list[int]) -> None:
         os.close(null)
 
 
-def _become_child(
-    agent,
-    slot: _Slot,
-    others: list[_Slot],
-    inherited: list[int],
-    reopen: list,
-    close: list[int],
-    cwd: str,
-    warning: str | None,
-) -> None:
+def _become_child(agent, slot: _Slot, batch: _Batch) -> None:
     try:
-        for other in others:
-            for fd in other.fds():
-                os.close(fd)
-        for fd in inherited:
+        for fd in _inherited():
             os.close(fd)
         qinit = entry.enter_sandbox(
             slot.tree, entry.ATTACH, slot.sandbox_id, slot.repl_cgroup, slot.cmds_cgroup,
@@ -201,10 +251,10 @@ def _become_child(
         STATE.qinit_pidfd = os.pidfd_open(qinit)
         STATE.family_pidfd = os.pidfd_open(os.getpid())
         STATE.cmds_cgroup = slot.cmds_cgroup
-        STATE.slots = []
-        STATE.warning = warning
-        os.chdir(cwd)
-        _reopen(reopen, close)
+        STATE.batch = None
+        STATE.warning = batch.warning
+        os.chdir(batch.cwd)
+        _reopen(batch.reopen, batch.close)
         ctrl = socket.socket(fileno=slot.ctrl)
         agent.reset_after_fork(ctrl)
         protocol.send(ctrl, {"rid": 0, "ev": "done", "result": {"pid": os.getpid()}})
@@ -248,47 +298,17 @@ def _fork_flat() -> int:
     return pid
 
 
-def handle_fork(agent, req: dict, payload: bytes, fds: list[int]) -> None:
-    started = time.perf_counter()
-    slots, STATE.slots = STATE.slots, []
-    if not slots:
-        agent.fail(req["rid"], "InvalidRequest", "fork without fork_slot")
-        return
-    parent = os.getpid()
-    pids: list[int] = []
-    try:
-        inherited = [STATE.qinit_pidfd, STATE.family_pidfd, *STATE.cmds_cgroup]
-        skip = {agent.sock.fileno(), *inherited}
-        for slot in slots:
-            skip.update(slot.fds())
-        reopen, close, threads = _inspect_fds(skip)
-        warning = (
-            f"the REPL had {threads} threads at fork time; a fork child has only the "
-            "thread that forked, so locks held by the others stay held"
-        ) if threads > 1 else None
-        cwd = os.getcwd()
-        # Objects alive now move to the permanent generation: the cyclic GC never walks
-        # them again, in the children or here, so it never writes to (and so copies) the
-        # pages they share. A full collection would otherwise copy the whole heap per child.
-        gc.freeze()
-        for i, slot in enumerate(slots):
-            pid = _fork_flat()  # born in P: pid_for_children is P outside command_spawning
-            if pid == 0:
-                others = slots[:i] + slots[i + 1 :]
-                _become_child(agent, slot, others, inherited, reopen, close, cwd, warning)
-                return  # the child goes back to the request loop, now on its own socket
-            pids.append(pid)
-    finally:
-        if os.getpid() == parent:  # whatever happened, the slots' fds are spent
-            for slot in slots:
-                for fd in slot.fds():
-                    os.close(fd)
-    paused = time.perf_counter() - started
-    agent.done(req["rid"], {"pids": pids, "threads": threads, "paused": paused})
-
-
 def handle_sethostname(agent, req: dict, payload: bytes, fds: list[int]) -> None:
     """After merge_into the body answers to the parent's id: take its hostname too."""
     socket.sethostname(req["hostname"])
     os.environ["HOSTNAME"] = req["hostname"]
+    agent.done(req["rid"], {})
+
+
+def handle_configure(agent, req: dict, payload: bytes, fds: list[int]) -> None:
+    """A warm sandbox handed out to a create request takes that request's env and cwd."""
+    os.environ.update(req.get("env") or {})
+    cwd = req.get("cwd") or "/root"
+    os.makedirs(cwd, exist_ok=True)
+    os.chdir(cwd)
     agent.done(req["rid"], {})

@@ -22,7 +22,13 @@ from .files import (
     handle_remove,
     handle_stat,
 )
-from .forking import command_spawning, handle_fork, handle_fork_slot, handle_sethostname
+from .forking import (
+    command_spawning,
+    handle_configure,
+    handle_fork,
+    handle_fork_slot,
+    handle_sethostname,
+)
 from .repl import Repl
 from .server import Agent, handle_ping
 
@@ -64,6 +70,7 @@ def run(ctrl_fd: int) -> None:
     agent.register("fork_slot", handle_fork_slot)
     agent.register("fork", handle_fork)
     agent.register("sethostname", handle_sethostname)
+    agent.register("configure", handle_configure)
     agent.serve()
 
 

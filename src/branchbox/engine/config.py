@@ -30,6 +30,8 @@ class EngineConfig:
     pids_max: int = 1024
     busy_wait: float = 30.0  # how long a fork waits for a busy REPL before 409
     spawn_timeout: float = 60.0
+    # Sandboxes kept started per image, so that create hands one out in milliseconds.
+    warm_pool: int = field(default_factory=lambda: int(os.environ.get("BRANCHBOX_WARM_POOL", "2")))
 
     @property
     def cgroup_group(self) -> str:

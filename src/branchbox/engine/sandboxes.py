@@ -117,6 +117,9 @@ class Engine:
         self._idmap_userns = -1
         self._workspace_lowers: dict[Path, WorkspaceLower] = {}
         self._workspace_versions: dict[Path, int] = {}
+        self._warm: dict[str, list[Live]] = {}
+        self._refilling: dict[str, asyncio.Task] = {}
+        self._stopping = False
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -138,6 +141,7 @@ class Engine:
             log.warning("commit into %s interrupted by a crash: %s", host, outcome)
             self.records.end_commit(host)
         log.info("storage: %s backend at %s", self.store.backend.name, self.store.root)
+        self._refill("default")  # warm sandboxes for the first creates
 
     def _reap_leftovers(self) -> None:
         """Whatever an earlier daemon of this data directory left: kill, remove, mark closed."""
@@ -153,6 +157,8 @@ class Engine:
             self.layers.backend.delete(path)
 
     async def stop(self) -> None:
+        self._stopping = True
+        await self._drop_warm()
         if self._expiring:
             await asyncio.gather(*self._expiring, return_exceptions=True)
         for sid in list(self.live):
@@ -239,13 +245,35 @@ class Engine:
             raise errors.InvalidRequest("memory_mb must be between 16 and 1048576")
         if timeout is not None and not 0 < timeout <= 7 * 86400:
             raise errors.InvalidRequest("timeout must be between 0 and 604800 seconds")
+        meta = {"cwd": cwd, "memory_mb": memory_mb, "timeout": timeout,
+                "workspace": str(branch.lower.host) if branch else None}
+        sb = self._take_warm(image) if branch is None else None
+        if sb is not None:  # a warm sandbox: give it this request's settings
+            if memory_mb is not None:
+                sb.body.cgroup.apply(self._limits(memory_mb))
+            sb.record.meta, sb.record.created = meta, time.time()
+            try:
+                await sb.body.channel.call("configure", {"env": env or {}, "cwd": cwd})
+            except (AgentError, ChannelClosed) as exc:
+                await self._destroy_body(sb.body)
+                await sb.family.family.kill()
+                raise errors.EngineError(f"a warm sandbox failed to start: {exc}") from None
+        else:
+            sb = await self._spawn(image, meta, env, branch)
+        self._adopt(sb, timeout)
+        return sb
+
+    async def _spawn(self, image: str, meta: dict, env: dict[str, str] | None,
+                     branch: WorkspaceBranch | None) -> Live:
+        """A new family and its first sandbox (not yet adopted: no timer, not listed)."""
         base = await self._base_layers(image)
         sid = new_id()
         key = secrets.token_hex(8)
         stack = self.layers.new_stack([], base, branch)
         cgroup = None
         try:
-            cgroup = SandboxCgroup.create(self.config.cgroup_group, key, self._limits(memory_mb))
+            cgroup = SandboxCgroup.create(self.config.cgroup_group, key,
+                                          self._limits(meta["memory_mb"]))
             full_env = {**DEFAULT_ENV, "HOSTNAME": sid, **(env or {})}
             family, channel = await spawn_family(
                 tree_fd=stack.tree(),
@@ -254,7 +282,7 @@ class Engine:
                 mounts=stack.mounts(),
                 hostname=sid,
                 env=full_env,
-                cwd=cwd,
+                cwd=meta["cwd"],
                 attach=ATTACH_DIR,
                 log_path=self.config.data_dir / "logs" / f"{sid}.log",
                 timeout=self.config.spawn_timeout,
@@ -265,17 +293,59 @@ class Engine:
             self.layers.release(stack)
             raise
         body = Body(key, stack, cgroup, channel)
-        record = SandboxRecord(
-            id=sid,
-            family=sid,
-            instance=key,
-            image=image,
-            meta={"cwd": cwd, "memory_mb": memory_mb, "timeout": timeout,
-                  "workspace": str(branch.lower.host) if branch else None},
-        )
-        sb = Live(record, body, FamilyHandle(family, {sid}))
-        self._adopt(sb, timeout)
+        record = SandboxRecord(id=sid, family=sid, instance=key, image=image, meta=meta)
+        return Live(record, body, FamilyHandle(family, {sid}))
+
+    # --------------------------------------------------------------- warm pool
+    def _take_warm(self, image: str) -> Live | None:
+        """A pre-started sandbox of ``image`` if one is ready; starts a replacement.
+
+        Starting a family costs two interpreter start-ups (~150 ms here); keeping a
+        few ready makes create a matter of milliseconds. Warm sandboxes are plain
+        defaults (no workspace) and take a request's env, cwd and memory limit on
+        hand-out.
+        """
+        pool = self._warm.setdefault(image, [])
+        sb = None
+        while pool and sb is None:
+            candidate = pool.pop()
+            if not candidate.body.channel.closed.is_set():
+                sb = candidate
+        self._refill(image)
         return sb
+
+    def _refill(self, image: str) -> None:
+        if self.config.warm_pool <= 0 or self._refilling.get(image):
+            return
+        task = asyncio.get_running_loop().create_task(self._fill(image))
+        self._refilling[image] = task
+        task.add_done_callback(lambda _: self._refilling.pop(image, None))
+
+    async def _fill(self, image: str) -> None:
+        pool = self._warm.setdefault(image, [])
+        meta = {"cwd": "/root", "memory_mb": None, "timeout": None, "workspace": None}
+        try:
+            while len(pool) < self.config.warm_pool and not self._stopping:
+                pool.append(await self._spawn(image, dict(meta), None, None))
+        except Exception:  # noqa: BLE001 - a cold create reports the real error
+            log.exception("could not keep a warm %s sandbox", image)
+
+    async def settle(self) -> None:
+        """Wait until the warm pool is refilled (background work; tests and benchmarks
+        use it to measure or compare the store without a spawn in flight)."""
+        while self._refilling:
+            await asyncio.gather(*list(self._refilling.values()), return_exceptions=True)
+
+    async def _drop_warm(self) -> None:
+        for task in list(self._refilling.values()):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for pool in self._warm.values():
+            while pool:
+                sb = pool.pop()
+                await self._destroy_body(sb.body)
+                await sb.family.family.kill()
 
     def _adopt(self, sb: Live, timeout: float | None) -> None:
         self.live[sb.id] = sb
@@ -429,11 +499,17 @@ class Engine:
             parent.lock.release()
 
     async def _fork_locked(self, parent: Live, channel: AgentChannel, n: int) -> list[Live]:
+        """Pipelined: the REPL forks child k as soon as its slot arrives, so child k sets
+        itself up while the daemon prepares child k+1. All children still come from one
+        instant: the REPL runs nothing else between the slots, and they share one frozen
+        layer."""
         started = time.perf_counter()
         pbody = parent.body
         pbody.cgroup.freeze("cmds")
         made: list[tuple[str, Body]] = []
         fresh: list[FrozenLayer] = []
+        pending: list = []  # each slot's answer, then each child's hello
+        batch_open = False
         try:
             fresh.append(await asyncio.to_thread(self.layers.freeze, pbody.layers))
             lowers = [fresh[0], *pbody.layers.frozen]
@@ -442,44 +518,24 @@ class Engine:
                 lowers = [fresh[-1]]
             limits = self._limits(parent.record.meta.get("memory_mb"))
             for _ in range(n):
-                sid, key = new_id(), secrets.token_hex(8)
-                stack = self.layers.new_stack(lowers, pbody.layers.base, pbody.layers.workspace)
-                try:
-                    cgroup = SandboxCgroup.create(self.config.cgroup_group, key, limits)
-                except BaseException:
-                    self.layers.release(stack)
-                    raise
-                made.append((sid, Body(key, stack, cgroup)))
-            # Hand over every child's fds without waiting for each answer: the agent
-            # handles the requests in order, so all slots are in place before "fork".
-            slot_calls = []
-            for sid, body in made:
-                ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-                body.channel = AgentChannel(ours)
-                repl_fds, cmds_fds = body.cgroup.join_fds("repl"), body.cgroup.join_fds("cmds")
-                mounts = body.layers.mounts()
-                fds = [body.layers.tree(), theirs.fileno(), *repl_fds, *cmds_fds,
-                       *(fd for fd, _ in mounts)]
-                try:
-                    rid, queue = channel.open_request()
-                    slot = {"op": "fork_slot", "rid": rid, "id": sid, "nrepl": len(repl_fds),
-                            "ncmds": len(cmds_fds), "mounts": [path for _, path in mounts]}
-                    await channel.send(slot, fds=fds)
-                    slot_calls.append(_drain(channel.events(rid, queue)))
-                finally:
-                    theirs.close()
-                    for fd in fds[:1] + fds[2:]:
-                        os.close(fd)
-            await asyncio.gather(*slot_calls)
-            waits = []
-            for _, body in made:
+                sid, body = self._prepare_child(lowers, pbody.layers, limits)
+                made.append((sid, body))
+                batch_open = True
+                pending.append(await self._send_slot(channel, sid, body))
                 # A fork child announces itself (or its set-up failure) as request 0.
-                waits.append(body.channel.events(0, body.channel.expect(0)))
+                pending.append(_drain(body.channel.events(0, body.channel.expect(0))))
+            batch_open = False
             forked = await channel.call("fork")
-            await asyncio.gather(*(_drain(w) for w in waits))
+            await asyncio.gather(*pending)
             parent.last_fork = {"n": n, "repl_paused": forked.get("paused"),
                                 "total": time.perf_counter() - started}
         except BaseException as exc:
+            for coro in pending:
+                if asyncio.iscoroutine(coro):
+                    coro.close()
+            if batch_open:  # let the REPL leave its fork batch
+                with contextlib.suppress(AgentError, ChannelClosed, OSError):
+                    await channel.call("fork")
             for _, body in made:
                 await self._destroy_body(body)
             if isinstance(exc, AgentError):
@@ -511,6 +567,37 @@ class Engine:
             children.append(child)
         return children
 
+
+    def _prepare_child(self, lowers: list[FrozenLayer], parent: LayerStack,
+                       limits: Limits) -> tuple[str, Body]:
+        """A child's id, writable volume and cgroup; its channel is created at hand-over."""
+        sid, key = new_id(), secrets.token_hex(8)
+        stack = self.layers.new_stack(lowers, parent.base, parent.workspace)
+        try:
+            cgroup = SandboxCgroup.create(self.config.cgroup_group, key, limits)
+        except BaseException:
+            self.layers.release(stack)
+            raise
+        return sid, Body(key, stack, cgroup)
+
+    async def _send_slot(self, channel: AgentChannel, sid: str, body: Body):
+        """Hand the REPL a child's root, control socket, cgroup fds and extra mounts; it
+        forks the child on receipt. Returns the awaitable answer."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        body.channel = AgentChannel(ours)
+        repl_fds, cmds_fds = body.cgroup.join_fds("repl"), body.cgroup.join_fds("cmds")
+        mounts = body.layers.mounts()
+        fds = [body.layers.tree(), *repl_fds, *cmds_fds, *(fd for fd, _ in mounts)]
+        try:
+            rid, queue = channel.open_request()
+            slot = {"op": "fork_slot", "rid": rid, "id": sid, "nrepl": len(repl_fds),
+                    "ncmds": len(cmds_fds), "mounts": [path for _, path in mounts]}
+            await channel.send(slot, fds=[fds[0], theirs.fileno(), *fds[1:]])
+            return _drain(channel.events(rid, queue))
+        finally:
+            theirs.close()
+            for fd in fds:
+                os.close(fd)
 
     # ----------------------------------------------------------------- workspaces
     def _workspace_branch(self, workspace: str) -> WorkspaceBranch:

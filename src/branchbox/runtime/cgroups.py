@@ -95,7 +95,7 @@ class SandboxCgroup:
         for d in cg._split_dirs():
             for leaf in LEAVES:
                 (d / leaf).mkdir()
-        cg._apply(limits)
+        cg.apply(limits)
         return cg
 
     @classmethod
@@ -122,7 +122,7 @@ class SandboxCgroup:
             return self.dirs[0] / name
         return self.dirs[V1_CONTROLLERS.index(controller)] / name
 
-    def _apply(self, limits: Limits) -> None:
+    def apply(self, limits: Limits) -> None:
         if self.version == 2:
             self._file("memory", "memory.max").write_text(str(limits.memory_bytes))
             self._file("memory", "memory.swap.max").write_text("0")
