@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 DATA_DIR ?= /var/lib/branchbox
-APT_PACKAGES := debootstrap btrfs-progs
+APT_PACKAGES := debootstrap btrfs-progs gcc libc6-dev
 
 .PHONY: run test system-deps image lint bench
 

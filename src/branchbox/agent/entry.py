@@ -17,10 +17,10 @@ order matters:
 4. hostname = sandbox id, loopback up;
 5. attach the root tree the daemon built (a detached overlay mount), and
    inside it any further trees (a workspace at its host path);
-6. fork Q's init, which mounts the new /proc (a proc mount shows the PID
-   namespace of the process that mounts it) — before the old root is
-   detached, because inside a user namespace the kernel refuses a proc mount
-   unless another proc mount is fully visible;
+6. spawn Q's init (``bb_init.c``), which mounts the new /proc (a proc mount
+   shows the PID namespace of the process that mounts it) — before the old
+   root is detached, because inside a user namespace the kernel refuses a
+   proc mount unless another proc mount is fully visible;
 7. a minimal /dev (tmpfs + binds of the harmless character devices, devpts);
 8. pivot_root into the tree and detach the old root.
 """
@@ -48,31 +48,6 @@ def _loopback_up() -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         ifr = struct.pack("16sH14x", b"lo", _IFF_UP_LOOPBACK_RUNNING)
         fcntl.ioctl(s.fileno(), _SIOCSIFFLAGS, ifr)
-
-
-def _q_init(root: str, ready_w: int, cmds_cgroup_fds: list[int]) -> None:
-    """PID 1 of the sandbox's command namespace Q: mount /proc, then reap orphans.
-
-    It dies with the REPL (PDEATHSIG), which tears down every command of the
-    sandbox: a sandbox whose REPL is gone keeps nothing running.
-    """
-    try:
-        sysc.prctl(sysc.PR_SET_PDEATHSIG, signal.SIGKILL)
-        # Its REPL must be able to setns() into Q through a pidfd of this process, which
-        # the kernel checks like ptrace; a process that changed uid (the launcher did) is
-        # not dumpable, and so not reachable from inside the user namespace.
-        sysc.prctl(sysc.PR_SET_DUMPABLE, 1)
-        sysc.set_process_name("bb-init")
-        for fd in cmds_cgroup_fds:
-            os.write(fd, b"0")
-        sysc.mount("proc", root + "/proc", "proc", sysc.MS_NOSUID | sysc.MS_NODEV | sysc.MS_NOEXEC)
-        os.write(ready_w, b"\0")
-    except BaseException as exc:  # noqa: BLE001 - reported to the REPL, which raises it
-        os.write(ready_w, f"proc mount failed: {exc}".encode())
-        os._exit(1)
-    os.close(ready_w)
-    os.closerange(0, 65536)
-    reap_forever()
 
 
 def close_fds_except(keep: set[int]) -> None:
@@ -162,10 +137,17 @@ def enter_sandbox(
     # this directory, and pivot_root moves only roots and cwds equal to the old root.
     os.chdir(attach)
     ready_r, ready_w = os.pipe()  # 6
-    init_pid = os.fork()
-    if init_pid == 0:
-        os.close(ready_r)
-        _q_init(attach, ready_w, cmds_cgroup_fds)
+    init = attach + AGENT_DIR + "/bb-init"
+    # Q's init is spawned (vfork + exec), never forked: a fork would copy the page
+    # tables of this whole process, which may hold gigabytes. It gets its fds by number.
+    handed = [ready_w, *cmds_cgroup_fds]
+    for fd in handed:
+        os.set_inheritable(fd, True)
+    try:
+        init_pid = os.posix_spawn(init, [init, attach + "/proc", *map(str, handed)], {})
+    finally:
+        for fd in cmds_cgroup_fds:
+            os.set_inheritable(fd, False)
     os.close(ready_w)
     # Back to P for everything else the REPL starts: the kernel refuses to create
     # threads while pid_for_children differs from the process's own PID namespace.

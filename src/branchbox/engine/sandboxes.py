@@ -94,6 +94,7 @@ class Live:
     timer: asyncio.TimerHandle | None = None
     watcher: asyncio.Task | None = None
     last_fork: dict | None = None  # timings of the latest fork, seconds (for info and bench)
+    last_used: float = field(default_factory=time.monotonic)  # for the idle timeout
 
     @property
     def id(self) -> str:
@@ -179,6 +180,7 @@ class Engine:
         sb = self.live.get(sandbox_id)
         if sb is None:
             raise errors.SandboxNotFound()
+        sb.last_used = time.monotonic()  # every request on a sandbox looks it up here
         return sb
 
     def list(self) -> list[Live]:
@@ -235,6 +237,7 @@ class Engine:
         timeout: float | None = None,
         memory_mb: int | None = None,
         workspace: str | None = None,
+        idle_timeout: float | None = None,
     ) -> Live:
         _check_env(env)
         branch = self._workspace_branch(workspace) if workspace is not None else None
@@ -243,8 +246,9 @@ class Engine:
             raise errors.InvalidRequest(f"cwd must be an absolute path without '..': {cwd!r}")
         if memory_mb is not None and not 16 <= memory_mb <= 1 << 20:
             raise errors.InvalidRequest("memory_mb must be between 16 and 1048576")
-        if timeout is not None and not 0 < timeout <= 7 * 86400:
-            raise errors.InvalidRequest("timeout must be between 0 and 604800 seconds")
+        for name, value in (("timeout", timeout), ("idle_timeout", idle_timeout)):
+            if value is not None and not 0 < value <= 7 * 86400:
+                raise errors.InvalidRequest(f"{name} must be between 0 and 604800 seconds")
         meta = {"cwd": cwd, "memory_mb": memory_mb, "timeout": timeout,
                 "workspace": str(branch.lower.host) if branch else None}
         sb = self._take_warm(image) if branch is None else None
@@ -261,6 +265,8 @@ class Engine:
         else:
             sb = await self._spawn(image, meta, env, branch)
         self._adopt(sb, timeout)
+        if idle_timeout:
+            self._close_when_idle(sb, idle_timeout)
         return sb
 
     async def _spawn(self, image: str, meta: dict, env: dict[str, str] | None,
@@ -353,8 +359,27 @@ class Engine:
         sb.watcher = asyncio.get_running_loop().create_task(self._watch(sb, sb.body))
         if timeout:
             sb.timer = asyncio.get_running_loop().call_later(
-                timeout, lambda: asyncio.ensure_future(self._expire(sb.id))
+                timeout, self._expire, sb.id
             )
+
+    def _close_when_idle(self, sb: Live, idle: float) -> None:
+        """Close ``sb`` once no request has used it for ``idle`` seconds (a run still going
+        counts as use). A check that finds it closed or merged away just stops."""
+        loop = asyncio.get_running_loop()
+        sb.last_used = time.monotonic()  # a warm sandbox may have waited long in the pool
+
+        def check() -> None:
+            if self.live.get(sb.id) is not sb:
+                return
+            now = time.monotonic()
+            if sb.lock.locked():
+                sb.last_used = now
+            if now - sb.last_used >= idle:
+                self._expire(sb.id)
+            else:
+                loop.call_later(sb.last_used + idle - now, check)
+
+        loop.call_later(idle, check)
 
     def _expire(self, sandbox_id: str) -> None:
         """A sandbox's timeout ran out: close it (stop() waits for closes under way)."""
@@ -434,6 +459,7 @@ class Engine:
                 f"the REPL of sandbox {sandbox_id} died during {op!r}; close the sandbox"
             ) from None
         finally:
+            sb.last_used = time.monotonic()  # the end of a long run is use, for idle
             if locked:
                 sb.lock.release()
 

@@ -62,6 +62,7 @@ def prepare_agent_layer(dest: Path) -> Path:
     (top / "bbagent").mkdir(parents=True)
     for src in _AGENT_SOURCE.glob("*.py"):
         shutil.copy2(src, top / "bbagent" / src.name)
+    _compile_init(top / "bb-init")
     for mountpoint in ("root", "oldroot", "proc"):
         (top / mountpoint).mkdir()
     tmp.chmod(0o755)
@@ -73,6 +74,19 @@ def prepare_agent_layer(dest: Path) -> Path:
     tmp.rename(dest)
     shutil.rmtree(old, ignore_errors=True)
     return dest
+
+
+def _compile_init(dest: Path) -> None:
+    """Build Q's init (agent/bb_init.c) as a static binary, so it runs on any image."""
+    source = _AGENT_SOURCE / "bb_init.c"
+    cmd = ["gcc", "-static", "-Os", "-s", "-o", str(dest), str(source)]
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+    except FileNotFoundError as exc:
+        raise RuntimeError("gcc is needed to build the sandbox init (apt install gcc "
+                           "libc6-dev)") from exc
+    except subprocess.CalledProcessError as exc:
+        raise RuntimeError(f"building {source} failed:\n{exc.stderr}") from exc
 
 
 def prepare_writable(volume: Path, workspace: Path | None = None) -> None:

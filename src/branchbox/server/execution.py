@@ -3,40 +3,57 @@
 Output streams as NDJSON while it happens: ``{"type": "stdout"|"stderr",
 "data"}`` lines, then one final line (``result`` for code, ``exit`` for a
 command) carrying the agent's answer, or an ``error`` line if the run failed
-after output had begun.
+after output had begun. ``/exec`` speaks Podflare's shape instead (see
+``replay``). Every run is also logged for ``GET .../replay``.
 """
 
 from __future__ import annotations
 
-import itertools
-import time
 from collections.abc import Callable
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Response
+from fastapi import APIRouter, Body, Request, Response
 
 from branchbox.server.deps import NO_CONTENT, EngineDep
 from branchbox.server.models import KillCommand, PodflareExec, RunCode, RunCommand, WaitCommand
-from branchbox.server.streams import event_line, ndjson_response
+from branchbox.server.replay import EventLog, PodflareEvents
+from branchbox.server.streams import NDJSON, encode_line, event_line, ndjson_response
 
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}", tags=["execution"])
 
 
+def _logged(request: Request, sandbox_id: str, language: str,
+            to_lines: Callable[[dict], list[dict]] | None = None) -> Callable[[dict], list[dict]]:
+    """``to_lines`` that also logs the run for replay; without ``to_lines``, the logged
+    (Podflare-shaped) events are themselves the lines."""
+    log: EventLog = request.app.state.events
+    events = PodflareEvents(language)
+
+    def logged(header: dict) -> list[dict]:
+        recorded = [log.record(sandbox_id, kind, data) for kind, data in events.feed(header)]
+        return recorded if to_lines is None else to_lines(header)
+
+    return logged
+
+
 @router.post("/run_code")
-async def run_code(sandbox_id: str, body: RunCode, engine: EngineDep) -> Response:
+async def run_code(sandbox_id: str, body: RunCode, engine: EngineDep,
+                   request: Request) -> Response:
     """Run Python in the sandbox's persistent REPL; NDJSON ending in a ``result`` line."""
     events = engine.stream(sandbox_id, "run_code", body.model_dump(exclude_none=True))
-    return await ndjson_response(events, lambda header: [event_line(header, "result")])
+    return await ndjson_response(events, _logged(
+        request, sandbox_id, "python", lambda header: [event_line(header, "result")]))
 
 
 @router.post("/commands", response_model=None)
-async def run_command(sandbox_id: str, body: RunCommand, engine: EngineDep) -> Response | dict:
+async def run_command(sandbox_id: str, body: RunCommand, engine: EngineDep,
+                      request: Request) -> Response | dict:
     """Run a command; NDJSON ending in an ``exit`` line, or ``{"pid"}`` in the background."""
     args = body.model_dump(exclude_none=True)
     if body.background:
         return await engine.call(sandbox_id, "exec", args)
-    return await ndjson_response(engine.stream(sandbox_id, "exec", args),
-                                 lambda header: [event_line(header, "exit")])
+    return await ndjson_response(engine.stream(sandbox_id, "exec", args), _logged(
+        request, sandbox_id, "bash", lambda header: [event_line(header, "exit")]))
 
 
 @router.post("/commands/{pid}/wait")
@@ -53,8 +70,10 @@ async def kill_command(sandbox_id: str, pid: int, engine: EngineDep,
 
 
 @router.post("/exec")
-async def podflare_exec(sandbox_id: str, body: PodflareExec, engine: EngineDep) -> Response:
-    """Podflare's exec: Python (in the REPL) or a bash script, as ``{type, data, seq, ts}``."""
+async def podflare_exec(sandbox_id: str, body: PodflareExec, engine: EngineDep,
+                        request: Request) -> Response:
+    """Podflare's exec: Python (in the REPL) or a bash script, as NDJSON ``{type, data, seq,
+    ts}`` events: one line of output each, then ``exit`` with the status."""
     args: dict[str, object]
     if body.language == "python":
         op, args = "run_code", {"code": body.code}
@@ -62,27 +81,20 @@ async def podflare_exec(sandbox_id: str, body: PodflareExec, engine: EngineDep) 
         op, args = "exec", {"cmd": ["bash", "-c", body.code]}
     if body.timeout is not None:
         args["timeout"] = body.timeout
+    log: EventLog = request.app.state.events
+
+    def failed(message: str, _kind: str, _status: int) -> list[dict]:
+        # Podflare's SDK reads every line as an event: a failure mid-run is one too.
+        return [log.record(sandbox_id, "stderr", message), log.record(sandbox_id, "exit", -1)]
+
     return await ndjson_response(engine.stream(sandbox_id, op, args),
-                                 _podflare_lines(body.language))
+                                 _logged(request, sandbox_id, body.language), failed)
 
 
-def _podflare_lines(language: str) -> Callable[[dict], list[dict]]:
-    """Podflare reports a Python exception as stderr text and exit status 1."""
-    seq = itertools.count()
-
-    def to_lines(header: dict) -> list[dict]:
-        if header.get("ev") != "done":
-            out = [(header.get("ev"), header.get("data", ""))]
-        elif language == "bash":
-            out = [("exit", (header.get("result") or {}).get("exit_code"))]
-        else:
-            error = (header.get("result") or {}).get("error")
-            out = [("stderr", _traceback_text(error)), ("exit", 1)] if error else [("exit", 0)]
-        return [{"type": kind, "data": data, "seq": next(seq), "ts": time.time()}
-                for kind, data in out]
-
-    return to_lines
-
-
-def _traceback_text(error: dict) -> str:
-    return error.get("traceback") or f"{error.get('name')}: {error.get('value')}\n"
+@router.get("/replay", response_class=Response,
+            responses={200: {"content": {NDJSON: {}}, "description": "NDJSON events"}})
+async def replay(sandbox_id: str, engine: EngineDep, request: Request) -> Response:
+    """Podflare's replay: the sandbox's recent run events (up to 1000), oldest first."""
+    engine.get(sandbox_id)  # 404 for an unknown sandbox
+    log: EventLog = request.app.state.events
+    return Response(b"".join(map(encode_line, log.recent(sandbox_id))), media_type=NDJSON)

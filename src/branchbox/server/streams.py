@@ -60,30 +60,34 @@ def event_line(header: dict, final_type: str) -> dict:
     return {"type": header.get("ev"), **fields}
 
 
-def error_line(exc: Exception) -> dict:
-    status, message, kind = describe(exc)
-    if status == 500:
-        log.error("stream failed", exc_info=exc)
-    return {"type": "error", "error": message, "kind": kind, "status": status}
+def error_line(message: str, kind: str, status: int) -> list[dict]:
+    """How a native stream reports a failure after its status line: one ``error`` line."""
+    return [{"type": "error", "error": message, "kind": kind, "status": status}]
 
 
-async def ndjson_response(events: AsyncIterator[Event],
-                          to_lines: Callable[[dict], list[dict]]) -> Response:
+async def ndjson_response(events: AsyncIterator[Event], to_lines: Callable[[dict], list[dict]],
+                          failure: Callable[[str, str, int], list[dict]] = error_line
+                          ) -> Response:
     """``to_lines(header)`` for each event, one JSON object per line, once ``events`` is
-    opened (raising any early failure here)."""
+    opened (raising any early failure here); a later failure ends the stream with
+    ``failure(message, kind, status)``."""
     first = await _first(events)
     if first[0].get("ev") == "done":  # the agent's last event: the run is over
         await events.aclose()  # type: ignore[attr-defined]
-        return Response(b"".join(map(_encode, to_lines(first[0]))), media_type=NDJSON)
+        return Response(b"".join(map(encode_line, to_lines(first[0]))), media_type=NDJSON)
     rest = _resume(first, events)
 
     async def body() -> AsyncIterator[bytes]:
         try:
             async for header, _ in rest:
                 for line in to_lines(header):
-                    yield _encode(line)
+                    yield encode_line(line)
         except Exception as exc:  # the status line is gone: report in-band
-            yield _encode(error_line(exc))
+            status, message, kind = describe(exc)
+            if status == 500:
+                log.error("stream failed", exc_info=exc)
+            for line in failure(message, kind, status):
+                yield encode_line(line)
 
     return StreamingResponse(body(), media_type=NDJSON)
 
@@ -99,5 +103,5 @@ def bytes_response(events: AsyncIterator[Event]) -> StreamingResponse:
     return StreamingResponse(body(), media_type="application/octet-stream")
 
 
-def _encode(line: dict) -> bytes:
+def encode_line(line: dict) -> bytes:
     return json.dumps(line, separators=(",", ":")).encode() + b"\n"
