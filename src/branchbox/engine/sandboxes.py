@@ -180,7 +180,6 @@ class Engine:
         sb = self.live.get(sandbox_id)
         if sb is None:
             raise errors.SandboxNotFound()
-        sb.last_used = time.monotonic()  # every request on a sandbox looks it up here
         return sb
 
     def list(self) -> list[Live]:
@@ -425,6 +424,7 @@ class Engine:
 
     # --------------------------------------------------------------------- calls
     async def _acquire(self, sb: Live, wait: float | None) -> None:
+        sb.last_used = time.monotonic()  # runs, files, fork, merge: use, for the idle timeout
         try:
             await asyncio.wait_for(sb.lock.acquire(), wait)
         except TimeoutError:
@@ -445,6 +445,7 @@ class Engine:
     ) -> AsyncIterator[tuple[dict, bytes]]:
         """Events of one agent request, translated into engine errors."""
         sb = self.get(sandbox_id)
+        sb.last_used = time.monotonic()
         locked = op not in _LOCK_FREE_OPS
         if locked:
             await self._acquire(sb, None)
@@ -547,12 +548,15 @@ class Engine:
                 sid, body = self._prepare_child(lowers, pbody.layers, limits)
                 made.append((sid, body))
                 batch_open = True
-                pending.append(await self._send_slot(channel, sid, body))
-                # A fork child announces itself (or its set-up failure) as request 0.
-                pending.append(_drain(body.channel.events(0, body.channel.expect(0))))
+                answer, hello = await self._send_slot(channel, sid, body)
+                pending += [answer, hello]
             batch_open = False
             forked = await channel.call("fork")
-            await asyncio.gather(*pending)
+            try:
+                await asyncio.wait_for(asyncio.gather(*pending), self.config.spawn_timeout)
+            except TimeoutError:
+                raise errors.EngineError("fork failed: the children did not report within "
+                                         f"{self.config.spawn_timeout:.0f} s") from None
             parent.last_fork = {"n": n, "repl_paused": forked.get("paused"),
                                 "total": time.perf_counter() - started}
         except BaseException as exc:
@@ -608,9 +612,11 @@ class Engine:
 
     async def _send_slot(self, channel: AgentChannel, sid: str, body: Body):
         """Hand the REPL a child's root, control socket, cgroup fds and extra mounts; it
-        forks the child on receipt. Returns the awaitable answer."""
+        forks the child on receipt. Returns two awaitables: the REPL's answer, and the
+        child's hello (request 0 on its own channel: ready, or why its set-up failed)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         body.channel = AgentChannel(ours)
+        hello = _drain(body.channel.events(0, body.channel.expect(0)))  # before it can come
         repl_fds, cmds_fds = body.cgroup.join_fds("repl"), body.cgroup.join_fds("cmds")
         mounts = body.layers.mounts()
         fds = [body.layers.tree(), *repl_fds, *cmds_fds, *(fd for fd, _ in mounts)]
@@ -619,7 +625,10 @@ class Engine:
             slot = {"op": "fork_slot", "rid": rid, "id": sid, "nrepl": len(repl_fds),
                     "ncmds": len(cmds_fds), "mounts": [path for _, path in mounts]}
             await channel.send(slot, fds=[fds[0], theirs.fileno(), *fds[1:]])
-            return _drain(channel.events(rid, queue))
+            return _drain(channel.events(rid, queue)), hello
+        except BaseException:
+            hello.close()
+            raise
         finally:
             theirs.close()
             for fd in fds:

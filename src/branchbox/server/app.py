@@ -16,8 +16,12 @@ from branchbox.engine.sandboxes import Engine
 from branchbox.server import execution, files, sandboxes
 from branchbox.server.deps import require_api_key
 from branchbox.server.errors import install_error_handlers
+from branchbox.server.replay import EventLog
 
 DEFAULT_MAX_UPLOAD = 1 << 30
+# Any body but a file upload is parsed whole in memory, so it has its own, smaller limit
+# (Podflare's SDK uploads by embedding base64 in code: this allows ~48 MB files that way).
+MAX_JSON_BODY = 64 << 20
 
 
 def create_app(engine: Engine, *, api_keys: Iterable[str] = (),
@@ -25,7 +29,8 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] = (),
     """The API over ``engine``.
 
     With ``api_keys``, every endpoint but ``/v1/healthz`` wants ``Authorization:
-    Bearer <key>``. Uploads larger than ``max_upload`` bytes are refused (413).
+    Bearer <key>``. Uploads larger than ``max_upload`` bytes, and other bodies larger than
+    ``MAX_JSON_BODY``, are refused (413).
     """
 
     @asynccontextmanager
@@ -37,10 +42,12 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] = (),
             await engine.stop()
 
     app = FastAPI(title="branchbox", version="0.1.0", lifespan=lifespan,
+                  max_body_size=MAX_JSON_BODY,
                   description="Linux sandboxes with a persistent Python REPL that fork.")
     app.state.engine = engine
     app.state.api_keys = frozenset(api_keys)
     app.state.max_upload = max_upload
+    app.state.events = EventLog()
     install_error_handlers(app)
 
     @app.get("/v1/healthz", response_class=PlainTextResponse, tags=["server"])

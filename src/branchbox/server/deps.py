@@ -1,4 +1,4 @@
-"""What handlers share: the engine, the API key check, the 204 route options."""
+"""What handlers share: the engine, the replay log, the API key check, the 204 route options."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from fastapi import Depends, Request, Response
 
 from branchbox.engine.sandboxes import Engine
 from branchbox.server.errors import AuthError
+from branchbox.server.replay import EventLog
 
 
 async def _engine(request: Request) -> Engine:
@@ -16,6 +17,13 @@ async def _engine(request: Request) -> Engine:
 
 
 EngineDep = Annotated[Engine, Depends(_engine)]
+
+
+async def _events(request: Request) -> EventLog:
+    return request.app.state.events
+
+
+EventsDep = Annotated[EventLog, Depends(_events)]
 # Route options of endpoints that answer 204 with an empty body.
 NO_CONTENT: dict = {"status_code": 204, "response_class": Response}
 

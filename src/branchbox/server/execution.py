@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Request, Response
+from fastapi import APIRouter, Body, Response
 
-from branchbox.server.deps import NO_CONTENT, EngineDep
+from branchbox.server.deps import NO_CONTENT, EngineDep, EventsDep
 from branchbox.server.models import KillCommand, PodflareExec, RunCode, RunCommand, WaitCommand
 from branchbox.server.replay import EventLog, PodflareEvents
 from branchbox.server.streams import NDJSON, encode_line, event_line, ndjson_response
@@ -22,11 +22,10 @@ from branchbox.server.streams import NDJSON, encode_line, event_line, ndjson_res
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}", tags=["execution"])
 
 
-def _logged(request: Request, sandbox_id: str, language: str,
+def _logged(log: EventLog, sandbox_id: str, language: str,
             to_lines: Callable[[dict], list[dict]] | None = None) -> Callable[[dict], list[dict]]:
     """``to_lines`` that also logs the run for replay; without ``to_lines``, the logged
     (Podflare-shaped) events are themselves the lines."""
-    log: EventLog = request.app.state.events
     events = PodflareEvents(language)
 
     def logged(header: dict) -> list[dict]:
@@ -38,22 +37,22 @@ def _logged(request: Request, sandbox_id: str, language: str,
 
 @router.post("/run_code")
 async def run_code(sandbox_id: str, body: RunCode, engine: EngineDep,
-                   request: Request) -> Response:
+                   log: EventsDep) -> Response:
     """Run Python in the sandbox's persistent REPL; NDJSON ending in a ``result`` line."""
     events = engine.stream(sandbox_id, "run_code", body.model_dump(exclude_none=True))
     return await ndjson_response(events, _logged(
-        request, sandbox_id, "python", lambda header: [event_line(header, "result")]))
+        log, sandbox_id, "python", lambda header: [event_line(header, "result")]))
 
 
 @router.post("/commands", response_model=None)
 async def run_command(sandbox_id: str, body: RunCommand, engine: EngineDep,
-                      request: Request) -> Response | dict:
+                      log: EventsDep) -> Response | dict:
     """Run a command; NDJSON ending in an ``exit`` line, or ``{"pid"}`` in the background."""
     args = body.model_dump(exclude_none=True)
     if body.background:
         return await engine.call(sandbox_id, "exec", args)
     return await ndjson_response(engine.stream(sandbox_id, "exec", args), _logged(
-        request, sandbox_id, "bash", lambda header: [event_line(header, "exit")]))
+        log, sandbox_id, "bash", lambda header: [event_line(header, "exit")]))
 
 
 @router.post("/commands/{pid}/wait")
@@ -71,7 +70,7 @@ async def kill_command(sandbox_id: str, pid: int, engine: EngineDep,
 
 @router.post("/exec")
 async def podflare_exec(sandbox_id: str, body: PodflareExec, engine: EngineDep,
-                        request: Request) -> Response:
+                        log: EventsDep) -> Response:
     """Podflare's exec: Python (in the REPL) or a bash script, as NDJSON ``{type, data, seq,
     ts}`` events: one line of output each, then ``exit`` with the status."""
     args: dict[str, object]
@@ -81,20 +80,18 @@ async def podflare_exec(sandbox_id: str, body: PodflareExec, engine: EngineDep,
         op, args = "exec", {"cmd": ["bash", "-c", body.code]}
     if body.timeout is not None:
         args["timeout"] = body.timeout
-    log: EventLog = request.app.state.events
 
     def failed(message: str, _kind: str, _status: int) -> list[dict]:
         # Podflare's SDK reads every line as an event: a failure mid-run is one too.
         return [log.record(sandbox_id, "stderr", message), log.record(sandbox_id, "exit", -1)]
 
     return await ndjson_response(engine.stream(sandbox_id, op, args),
-                                 _logged(request, sandbox_id, body.language), failed)
+                                 _logged(log, sandbox_id, body.language), failed)
 
 
 @router.get("/replay", response_class=Response,
             responses={200: {"content": {NDJSON: {}}, "description": "NDJSON events"}})
-async def replay(sandbox_id: str, engine: EngineDep, request: Request) -> Response:
+async def replay(sandbox_id: str, engine: EngineDep, log: EventsDep) -> Response:
     """Podflare's replay: the sandbox's recent run events (up to 1000), oldest first."""
     engine.get(sandbox_id)  # 404 for an unknown sandbox
-    log: EventLog = request.app.state.events
     return Response(b"".join(map(encode_line, log.recent(sandbox_id))), media_type=NDJSON)

@@ -59,10 +59,15 @@ class CreateSandbox(_Body):
                                                                       "timeout_seconds"))
     memory_mb: int | None = Field(None, validation_alias=AliasChoices("memory_mb", "ram_mib"))
     workspace: SandboxPath | None = None  # a host directory, mounted copy-on-write
-    # Accepted so Podflare's SDK can create sandboxes; the engine has no switch for either
-    # yet (every sandbox is loopback-only and lives until closed or `timeout`).
+    # Closed after this many seconds without a request on it (a run in progress is use).
+    idle_timeout: float | None = Field(None, validation_alias=AliasChoices(
+        "idle_timeout", "idle_timeout_seconds"))
+    # Accepted so Podflare's SDK can send them. Every sandbox is loopback-only, which
+    # already honours egress=false; root filesystems grow on the host's disk (no fixed
+    # size); and nothing is frozen into a "space" on idle.
     egress: bool = True
-    idle_timeout_seconds: float | None = None
+    rootfs_gb: int | None = None
+    persistent: bool | None = None
 
 
 class RunCode(_Body):

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body
 
-from branchbox.server.deps import NO_CONTENT, EngineDep
+from branchbox.server.deps import NO_CONTENT, EngineDep, EventsDep
 from branchbox.server.models import CreateSandbox, Diff, Fork
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
@@ -17,7 +17,7 @@ async def create_sandbox(body: CreateSandbox, engine: EngineDep) -> dict:
     """Start a sandbox; answers once its REPL is ready, with its info."""
     sb = await engine.create(image=body.image, env=body.env, cwd=body.cwd,
                              timeout=body.timeout, memory_mb=body.memory_mb,
-                             workspace=body.workspace)
+                             workspace=body.workspace, idle_timeout=body.idle_timeout)
     return engine.info(sb.id)
 
 
@@ -32,9 +32,10 @@ async def sandbox_info(sandbox_id: str, engine: EngineDep) -> dict:
 
 
 @router.delete("/{sandbox_id}", **NO_CONTENT)
-async def close_sandbox(sandbox_id: str, engine: EngineDep) -> None:
+async def close_sandbox(sandbox_id: str, engine: EngineDep, events: EventsDep) -> None:
     """Kill everything in the sandbox and release its storage."""
     await engine.close(sandbox_id)
+    events.forget(sandbox_id)
 
 
 @router.post("/{sandbox_id}/fork")
@@ -46,9 +47,11 @@ async def fork_sandbox(sandbox_id: str, engine: EngineDep,
 
 
 @router.post("/{sandbox_id}/merge_into/{winner_id}", **NO_CONTENT)
-async def merge_into(sandbox_id: str, winner_id: str, engine: EngineDep) -> None:
+async def merge_into(sandbox_id: str, winner_id: str, engine: EngineDep,
+                     events: EventsDep) -> None:
     """The sandbox's id takes over the winner's state; the winner's id is retired."""
     await engine.merge_into(sandbox_id, winner_id)
+    events.forget(winner_id)
 
 
 @router.post("/{sandbox_id}/diff")

@@ -5,12 +5,16 @@ root can reach it, which is the same trust the daemon itself needs. The
 socket is bound here (not by uvicorn, which would chmod it 0666). SIGINT and
 SIGTERM shut down gracefully: the app's lifespan stops the engine, which
 closes every sandbox.
+
+A TCP listener always wants an API key: the configured ones, else one made on
+first start and kept (0600) in the data directory, whose path is printed.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -24,6 +28,8 @@ from branchbox.engine.config import DEFAULT_DATA_DIR, EngineConfig
 from branchbox.engine.sandboxes import Engine
 from branchbox.server.address import DEFAULT_HOST, DEFAULT_PORT, socket_path
 from branchbox.server.app import DEFAULT_MAX_UPLOAD, create_app
+
+API_KEY_FILE = "api-key"
 
 
 class ServeError(RuntimeError):
@@ -50,9 +56,16 @@ def serve(data_dir: Path | str = DEFAULT_DATA_DIR, host: str | None = None,
     if storage is not None:
         config.storage = storage
     api_keys = frozenset(api_keys)
+    tcp = host is not None or port is not None
+    if tcp and not api_keys:  # a TCP port is open to whoever reaches it: never without a key
+        key_file = data_dir / API_KEY_FILE
+        api_keys = frozenset([generated_api_key(key_file)])
+        print(f"branchbox: no API key configured for TCP; clients must send the one in "
+              f"{key_file} (root only): `sudo cat {key_file}`, then set BRANCHBOX_API_KEY "
+              "(or PODFLARE_API_KEY) to it", flush=True)
     app = create_app(Engine(config), api_keys=api_keys, max_upload=max_upload)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if host is None and port is None:
+    if not tcp:
         path = socket_path(data_dir)
         sock, url = _bind_unix(path), f"unix://{path}"
     else:
@@ -60,10 +73,6 @@ def serve(data_dir: Path | str = DEFAULT_DATA_DIR, host: str | None = None,
         bound_host, bound_port = sock.getsockname()[:2]
         url = f"http://[{bound_host}]:{bound_port}" if ":" in bound_host else \
             f"http://{bound_host}:{bound_port}"
-        if not api_keys:
-            logging.getLogger("branchbox.server").warning(
-                "listening on TCP without API keys: anyone who can reach %s runs code as "
-                "this daemon's sandboxes; set BRANCHBOX_API_KEY or --api-keys", url)
     # No access log: a line per request costs a small call a good part of its latency
     # (and floods the log); failures are still logged.
     server = uvicorn.Server(uvicorn.Config(app, timeout_graceful_shutdown=10, access_log=False))
@@ -78,6 +87,21 @@ def serve(data_dir: Path | str = DEFAULT_DATA_DIR, host: str | None = None,
         sock.close()
         if sock.family == socket.AF_UNIX:
             Path(url.removeprefix("unix://")).unlink(missing_ok=True)
+
+
+def generated_api_key(path: Path) -> str:
+    """The key in ``path``, made (random, mode 0600) the first time a TCP server needs one."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        key = path.read_text().strip()
+        if key:
+            return key
+        raise ServeError(f"{path} is empty; delete it to have a new API key made") from None
+    key = "bb_" + secrets.token_urlsafe(32)
+    with os.fdopen(fd, "w") as out:
+        out.write(key + "\n")
+    return key
 
 
 def _exit_cleanly(_signum: int, _frame: FrameType | None) -> None:
