@@ -387,3 +387,14 @@ def test_cli(connected: str) -> None:
     assert missing.stderr.startswith("error: sandbox not found")
     assert len(missing.stderr.strip().splitlines()) == 1
 
+
+
+@pytest.mark.parametrize("name", ["serve", "ls", "create", "run", "exec", "fork", "diff",
+                                  "merge", "rm"])
+def test_cli_help(name: str) -> None:
+    helped = cli(name, "--help")
+    assert helped.returncode == 0, helped.stderr
+    assert "--json" in helped.stdout
+    lines = [line.strip() for line in helped.stdout.split("Usage:", 1)[1].splitlines()]
+    summary = next(line for line in lines[1:] if line)
+    assert len(summary) > 20 and summary[0].isupper(), helped.stdout  # says what it does

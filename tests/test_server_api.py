@@ -119,6 +119,8 @@ async def test_create_info_list_close(client: httpx.AsyncClient) -> None:
     ("POST", f"/merge_into/{MISSING}", None),
     ("GET", "/files?path=/etc/hostname", None),
     ("GET", "/files/list?path=/", None),
+    ("POST", "/exec", {"code": "1"}),
+    ("GET", "/replay", None),
 ])
 async def test_unknown_sandbox_is_404(client: httpx.AsyncClient, method: str, path: str,
                                       body: dict | None) -> None:
@@ -147,6 +149,10 @@ async def test_malformed_body_is_400(client: httpx.AsyncClient, sandbox: str, co
 
 
 @pytest.mark.parametrize(("path", "body", "field"), [
+    ("/run_code", {}, "code"),
+    ("/exec", {"language": "bash"}, "code"),
+    ("/exec", {"code": "ls", "language": "ruby"}, "language"),
+    ("/diff", {}, "other"),
     ("/run_code", {"code": 5}, "code"),
     ("/run_code", {"code": "1", "timeout": "soon"}, "timeout"),
     ("/run_code", {"code": "1", "timeout": -1}, "timeout"),
@@ -192,6 +198,34 @@ async def test_bad_paths_are_400(client: httpx.AsyncClient, sandbox: str, path: 
     reply = await client.request(method, f"/v1/sandboxes/{sandbox}/files{suffix}",
                                  params={"path": path}, content=b"x" if method == "PUT" else None)
     assert "path" in assert_error(reply, 400, "InvalidRequest")
+
+
+async def test_directories_are_not_files(client: httpx.AsyncClient, sandbox: str) -> None:
+    files = f"/v1/sandboxes/{sandbox}/files"
+    assert_error(await client.get(files, params={"path": "/root"}), 400, "InvalidRequest")
+    assert_error(await client.put(files, params={"path": "/root"}, content=b"x"), 400,
+                 "InvalidRequest")
+    assert (await client.get(f"{files}/exists", params={"path": "/root"})).json() == {
+        "exists": True}
+
+
+async def test_merge_only_into_an_ancestor(client: httpx.AsyncClient, sandbox: str) -> None:
+    merge = f"/v1/sandboxes/{sandbox}/merge_into"
+    assert "itself" in assert_error(await client.post(f"{merge}/{sandbox}"), 400,
+                                    "InvalidRequest")
+    other = (await client.post("/v1/sandboxes", json={})).json()["id"]
+    try:
+        message = assert_error(await client.post(f"{merge}/{other}"), 400, "InvalidRequest")
+        assert "not a descendant" in message
+    finally:
+        await client.delete(f"/v1/sandboxes/{other}")
+
+
+async def test_json_bodies_have_a_size_limit(client: httpx.AsyncClient, sandbox: str) -> None:
+    big = b'{"code": "' + b"x" * (64 << 20) + b'"}'
+    reply = await client.post(f"/v1/sandboxes/{sandbox}/run_code", content=big,
+                              headers={"content-type": "application/json"})
+    assert "PUT /v1/sandboxes/{id}/files" in assert_error(reply, 413, "PayloadTooLarge")
 
 
 # ------------------------------------------------------------------------------ run_code
@@ -292,13 +326,16 @@ async def test_background_command_wait_and_kill(client: httpx.AsyncClient, sandb
 
 async def test_podflare_exec(client: httpx.AsyncClient, sandbox: str) -> None:
     path = f"/v1/sandboxes/{sandbox}/exec"
-    lines = await ndjson(client, path, {"code": "echo hi", "language": "bash"})
-    assert [line["seq"] for line in lines] == list(range(len(lines)))
-    assert output(lines) == "hi\n"
-    assert lines[-1]["type"] == "exit" and lines[-1]["data"] == 0
+    lines = await ndjson(client, path, {"code": "echo hi; echo; printf end", "language": "bash"})
+    seqs = [line["seq"] for line in lines]  # rising per sandbox, across runs (for replay)
+    assert seqs == list(range(seqs[0], seqs[0] + len(lines)))
+    assert [(line["type"], line["data"]) for line in lines] == [
+        ("stdout", "hi"), ("stdout", ""), ("stdout", "end"), ("exit", 0)]  # a line each
     lines = await ndjson(client, path, {"code": "print(1)\n1/0"})
-    assert output(lines) == "1\n" and "ZeroDivisionError" in output(lines, "stderr")
+    assert output(lines) == "1" and "ZeroDivisionError" in output(lines, "stderr")
     assert lines[-1]["type"] == "exit" and lines[-1]["data"] == 1
+    replayed = (await client.get(f"/v1/sandboxes/{sandbox}/replay")).text.splitlines()
+    assert [json.loads(line) for line in replayed[-len(lines):]] == lines
 
 
 # --------------------------------------------------------------------------------- files

@@ -474,3 +474,39 @@ def reflexion_command(
     branch_out(root, as_json, lambda i: f"attempt-{i}", lambda sb: reflexion(
         sb, task=attempt, success=exited_zero, critique=review, retries=retries,
         timeout=timeout))
+
+
+@command()
+def bench(
+    quick: Annotated[bool, typer.Option("--quick", help="Fewer runs and smaller sizes "
+                                                        "(a few minutes).")] = False,
+    only: Annotated[list[str] | None, typer.Option(
+        "--only", help="Run only this suite (repeatable).", show_default=False)] = None,
+    json_file: Annotated[Path | None, typer.Option(
+        "--json", help="Also write the results as JSON to this file ('-' for stdout).",
+        show_default=False)] = None,
+    plot: Annotated[Path | None, typer.Option(
+        "--plot", help="Draw fork latency against n and parent memory into this PNG.",
+        show_default=False)] = None,
+) -> None:
+    """Measure create, run_code, fork, merge, diff, memory... beside what users do without
+    fork, against a private daemon; print tables with p50/p90/max and ratios."""
+    # Imported here: only this command needs the suites (and matplotlib, for --plot).
+    from branchbox.bench import SUITES, run_suites
+    from branchbox.bench.report import as_json, show, write_json
+    from branchbox.bench.report import plot as draw
+
+    unknown = sorted(set(only or ()) - SUITES.keys())
+    if unknown:
+        fail(f"unknown suite {', '.join(unknown)}; the suites are: {', '.join(SUITES)}")
+    results = run_suites(only or list(SUITES), quick, err)
+    show(results, err if json_file == Path("-") else out)
+    if json_file == Path("-"):
+        emit_json(as_json(results))
+    elif json_file is not None:
+        write_json(results, json_file)
+        err.print(f"wrote {json_file}")
+    if plot is not None:
+        err.print(f"wrote {plot}" if draw(results, plot) else "no fork rows to plot")
+    if any(suite.error for suite in results.suites):
+        raise typer.Exit(1)

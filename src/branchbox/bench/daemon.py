@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+import httpx
+
 from branchbox.server.address import socket_path
 
 START_TIMEOUT = 120.0  # the first start may build the default image
@@ -31,7 +33,6 @@ class Daemon:
 
     def __init__(self) -> None:
         self.data_dir = Path(tempfile.mkdtemp(prefix="branchbox-bench-"))
-        self.data_dir.chmod(0o755)  # a sandbox's mapped root traverses it
         self.log_path = self.data_dir / "daemon.log"
         self.url = f"unix://{socket_path(self.data_dir)}"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -42,12 +43,21 @@ class Daemon:
                 [sys.executable, "-m", "branchbox", "serve", "--data-dir", str(self.data_dir)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + START_TIMEOUT
-        while not socket_path(self.data_dir).exists():
+        while not self._healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self._stop()
                 raise DaemonError(f"the benchmark daemon did not start; see {self.log_path}")
             time.sleep(0.1)
         return self
+
+    def _healthy(self) -> bool:
+        """The socket file exists before the engine has started; only healthz tells."""
+        transport = httpx.HTTPTransport(uds=str(socket_path(self.data_dir)))
+        with httpx.Client(transport=transport, base_url="http://branchbox") as client:
+            try:
+                return client.get("/v1/healthz", timeout=5).status_code == 200
+            except httpx.TransportError:
+                return False
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

@@ -31,6 +31,7 @@ def fork_children(n: int) -> float:
     for _ in range(n):
         pid = os.fork()
         if pid == 0:
+            os.close(write_end)  # else the child would hold off its own EOF
             os.read(read_end, 1)
             os._exit(0)
         pids.append(pid)

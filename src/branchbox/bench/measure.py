@@ -68,22 +68,29 @@ def timed(fn: Callable[[], T], reps: int, after: Callable[[T], object] | None = 
     return samples
 
 
-def pss_mib(pids: Iterable[int]) -> float:
-    """Proportional set size of these host processes: shared copy-on-write pages count
-    once in total, split among their sharers, so it is the honest cost of a child."""
+def rollup_mib(pids: Iterable[int], fields: tuple[str, ...]) -> float:
+    """The sum of ``fields`` of /proc/PID/smaps_rollup over these host processes, in MiB."""
     kib = 0
     for pid in pids:
         try:
             text = Path(f"/proc/{pid}/smaps_rollup").read_text()
         except OSError:  # exited since it was listed
             continue
-        kib += next(int(line.split()[1]) for line in text.splitlines()
-                    if line.startswith("Pss:"))
+        kib += sum(int(line.split()[1]) for line in text.splitlines()
+                   if line.split(":")[0] in fields)
     return kib / 1024
 
 
 def sandbox_pss_mib(sandbox: Sandbox) -> float:
-    return pss_mib(sandbox.info()["resources"]["host_pids"])
+    """Proportional set size: each shared copy-on-write page is split among its sharers,
+    so the sandboxes of a family add up to what they really use together."""
+    return rollup_mib(sandbox.info()["resources"]["host_pids"], ("Pss",))
+
+
+def sandbox_private_mib(sandbox: Sandbox) -> float:
+    """Pages only this sandbox maps: what closing it would give back."""
+    return rollup_mib(sandbox.info()["resources"]["host_pids"],
+                      ("Private_Clean", "Private_Dirty"))
 
 
 def close_all(sandboxes: Iterable[Sandbox]) -> None:

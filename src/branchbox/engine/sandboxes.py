@@ -14,6 +14,7 @@ import itertools
 import logging
 import os
 import re
+import resource
 import secrets
 import socket
 import time
@@ -114,7 +115,7 @@ class Engine:
         self._lineage: dict[str, tuple[str, int]] = {}
         self._generations = itertools.count(1)
         self._unfavor = None
-        self._expiring: set[asyncio.Task] = set()
+        self._background: set[asyncio.Task] = set()
         self._idmap_userns = -1
         self._workspace_lowers: dict[Path, WorkspaceLower] = {}
         self._workspace_versions: dict[Path, int] = {}
@@ -129,6 +130,7 @@ class Engine:
             (cfg.data_dir / sub).mkdir(parents=True, exist_ok=True)
         cfg.data_dir.chmod(0o700)  # layers, logs and the socket are the daemon's alone
         ATTACH_DIR.mkdir(parents=True, exist_ok=True)
+        _raise_fd_limit()
         self.records = Records(cfg.data_dir / "sandboxes.db")
         self._unfavor = favor_dynamic_moves(cfg.data_dir / "run" / "cgroup-favor")
         self._reap_leftovers()
@@ -160,8 +162,8 @@ class Engine:
     async def stop(self) -> None:
         self._stopping = True
         await self._drop_warm()
-        if self._expiring:
-            await asyncio.gather(*self._expiring, return_exceptions=True)
+        while self._background:  # expiries and teardowns under way
+            await asyncio.gather(*list(self._background), return_exceptions=True)
         for sid in list(self.live):
             with contextlib.suppress(errors.EngineError):
                 await self.close(sid)
@@ -383,8 +385,8 @@ class Engine:
     def _expire(self, sandbox_id: str) -> None:
         """A sandbox's timeout ran out: close it (stop() waits for closes under way)."""
         task = asyncio.get_running_loop().create_task(self._close_quietly(sandbox_id))
-        self._expiring.add(task)
-        task.add_done_callback(self._expiring.discard)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _close_quietly(self, sandbox_id: str) -> None:
         with contextlib.suppress(errors.EngineError):
@@ -410,6 +412,12 @@ class Engine:
         sb.family.members.discard(sb.id)
         if not sb.family.members:
             await sb.family.family.kill()
+
+    def _retire(self, body: Body) -> None:
+        """Destroy a body in the background (stop() waits for it)."""
+        task = asyncio.get_running_loop().create_task(self._destroy_body(body))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _destroy_body(self, body: Body) -> None:
         """Kill, disconnect and free a body; each step runs even if an earlier one failed."""
@@ -754,7 +762,7 @@ class Engine:
                 self._watch(parent, parent.body))
             with contextlib.suppress(errors.EngineError, AgentError, ChannelClosed):
                 await parent.body.channel.call("sethostname", {"hostname": parent.id})
-            await self._destroy_body(old)
+            self._retire(old)  # killed and freed in the background: merge returns now
         finally:
             winner.lock.release()
             parent.lock.release()
@@ -775,6 +783,14 @@ class Engine:
         except FileNotFoundError:  # a layer went away under the walk
             raise errors.Conflict("a sandbox was closed or merged while the diff was read; "
                                   "diff live sandboxes") from None
+
+
+def _raise_fd_limit() -> None:
+    """Every live sandbox holds a control socket in the daemon: a thousand children of
+    one parent need more than the usual soft limit of 1024 fds."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 async def _drain(events: AsyncIterator) -> None:

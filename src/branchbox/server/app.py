@@ -16,6 +16,7 @@ from branchbox.engine.sandboxes import Engine
 from branchbox.server import execution, files, sandboxes
 from branchbox.server.deps import require_api_key
 from branchbox.server.errors import install_error_handlers
+from branchbox.server.limits import BodyLimit
 from branchbox.server.replay import EventLog
 
 DEFAULT_MAX_UPLOAD = 1 << 30
@@ -42,13 +43,13 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] = (),
             await engine.stop()
 
     app = FastAPI(title="branchbox", version="0.1.0", lifespan=lifespan,
-                  max_body_size=MAX_JSON_BODY,
                   description="Linux sandboxes with a persistent Python REPL that fork.")
     app.state.engine = engine
     app.state.api_keys = frozenset(api_keys)
     app.state.max_upload = max_upload
     app.state.events = EventLog()
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, limit=MAX_JSON_BODY)
 
     @app.get("/v1/healthz", response_class=PlainTextResponse, tags=["server"])
     async def healthz() -> str:

@@ -12,18 +12,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
-from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY
 
 from branchbox.engine import errors
 
 # Kinds for failures of the HTTP layer itself (the SDK maps them like engine kinds).
 _HTTP_KINDS = {404: "EndpointNotFound", 405: "MethodNotAllowed", 413: "PayloadTooLarge"}
-_HTTP_MESSAGES = {
-    404: "no endpoint {method} {path} (is the server older than the client?)",
-    405: "no endpoint {method} {path} (is the server older than the client?)",
-    413: "request body too large: {method} {path} takes at most {limit} bytes (upload big "
-         "files with PUT /v1/sandboxes/{{id}}/files)",
-}
 
 
 class AuthError(errors.EngineError):
@@ -84,9 +77,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)
         kind = _HTTP_KINDS.get(exc.status_code, "InvalidRequest")
-        message = _HTTP_MESSAGES.get(exc.status_code, str(exc.detail)).format(
-            method=request.method, path=request.url.path,
-            limit=request.scope.get(MAX_BODY_SIZE_SCOPE_KEY))
+        message = str(exc.detail)
+        if exc.status_code in (404, 405):
+            message = (f"no endpoint {request.method} {request.url.path} "
+                       "(is the server older than the client?)")
         return error_response(exc.status_code, message, kind)
 
     app.add_exception_handler(errors.EngineError, engine_error)

@@ -6,7 +6,6 @@ daemon a megabyte or so of memory, never its whole size.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import AsyncIterator
 from typing import Annotated
 
@@ -29,9 +28,7 @@ async def read_file(sandbox_id: str, path: PathQuery, engine: EngineDep) -> Resp
     return bytes_response(await opened(engine.stream(sandbox_id, "read", {"path": path})))
 
 
-# The app's limit for bodies parsed in memory does not apply: this one streams, and the
-# handler enforces the server's own upload limit.
-@router.put("", max_body_size=sys.maxsize)
+@router.put("")
 async def write_file(sandbox_id: str, path: PathQuery, request: Request, engine: EngineDep,
                      mode: ModeQuery = None) -> dict:
     """Store the request body at ``path`` (parent directories are created): ``{"size"}``."""

@@ -1,0 +1,75 @@
+"""fork(n) for n = 1, 5, 32, 100 of parents holding 0, 100 MiB and 1 GiB, each beside
+its floor (raw ``os.fork()`` n times of a plain process holding the same), and how
+long the parent's REPL is paused by each fork.
+
+The time is the SDK call until every child is running; children are closed
+outside the timed span.
+"""
+
+from __future__ import annotations
+
+from branchbox.bench.floor import ballast_code, floor_samples
+from branchbox.bench.measure import Context, Ratio, Row, close_all, timed
+from branchbox.sdk import InvalidRequest, Sandbox
+
+TITLE = "fork(n) against the floor"
+PAUSE_TITLE = "parent REPL paused during fork(n)"
+SERVER_LIMIT = 32  # the server's default largest n per call (API.md)
+
+
+def fork_many(parent: Sandbox, n: int) -> tuple[list[Sandbox], float, int]:
+    """fork(n) in one call if the server allows it, else in calls of SERVER_LIMIT.
+
+    Returns the children, the parent's total REPL pause in seconds (as the
+    daemon reports it), and how many calls it took.
+    """
+    try:
+        return parent.fork(n), parent.info()["last_fork"]["repl_paused"], 1
+    except InvalidRequest:
+        if n <= SERVER_LIMIT:
+            raise
+    sizes = [SERVER_LIMIT] * (n // SERVER_LIMIT) + [n % SERVER_LIMIT] * bool(n % SERVER_LIMIT)
+    kids: list[Sandbox] = []
+    paused = 0.0
+    for size in sizes:
+        kids += parent.fork(size)
+        paused += parent.info()["last_fork"]["repl_paused"]
+    return kids, paused, len(sizes)
+
+
+def run(ctx: Context) -> list[Row]:
+    rows: list[Row] = []
+    for megabytes in ctx.pick((0, 100), (0, 100, 1024)):
+        ctx.step(f"parent building {megabytes} MiB of state")
+        with ctx.sandbox() as parent:
+            parent.run_code(ballast_code(megabytes), timeout=600)
+            for n in ctx.pick((1, 5, 32), (1, 5, 32, 100)):
+                rows += _cell(ctx, parent, megabytes, n)
+    return rows
+
+
+def _cell(ctx: Context, parent: Sandbox, megabytes: int, n: int) -> list[Row]:
+    """The rows of one (parent state, n) point: floor, fork, pause."""
+    reps = ctx.pick(2, 10 if n <= 5 else 5 if n <= SERVER_LIMIT else 3)
+    ctx.step(f"fork({n}), parent holding {megabytes} MiB")
+    pauses: list[float] = []
+    calls = 1
+
+    def fork_n() -> list[Sandbox]:
+        nonlocal calls
+        kids, paused, calls = fork_many(parent, n)
+        pauses.append(1000 * paused)
+        return kids
+
+    samples = timed(fork_n, reps, close_all)
+    params = {"n": n, "parent_mb": megabytes}
+    note = "" if calls == 1 else f"{calls} calls: the server allows n ≤ {SERVER_LIMIT} per call"
+    floor = Row(f"raw os.fork() ×{n}, {megabytes} MiB process", floor_samples(megabytes, n, reps),
+                params={**params, "kind": "floor"}, note="the floor")
+    return [
+        floor,
+        Row(f"fork({n}), parent holding {megabytes} MiB", samples,
+            params={**params, "kind": "fork"}, ratios=[Ratio(floor.name)], note=note),
+        Row(f"paused: fork({n}), parent holding {megabytes} MiB", pauses, table=PAUSE_TITLE,
+            params={**params, "kind": "pause"}, note=note),
+    ]
