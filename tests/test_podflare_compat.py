@@ -96,6 +96,15 @@ def daemon(*extra: str, **env: str) -> Iterator[Daemon]:
         server.stop()
 
 
+@pytest.fixture(autouse=True)
+def podflare_connections() -> Iterator[None]:
+    """Podflare keeps one shared HTTP client per host and never closes it on its own;
+    close it after each test, before a garbage collection turns its sockets into
+    ResourceWarnings inside some later test."""
+    yield
+    podflare.close_default_client()
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[Daemon]:
     with daemon(BRANCHBOX_API_KEY=API_KEY) as running:

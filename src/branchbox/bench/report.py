@@ -143,6 +143,9 @@ def plot(results: Results, path: Path) -> bool:
     for ax in (by_n, by_mb):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=6)
+    m = results.machine
+    fig.suptitle(f"branchbox bench: {m['cpus']} CPUs, {m['memory_gib']} GiB, Linux {m['kernel']}",
+                 fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)

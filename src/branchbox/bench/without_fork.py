@@ -24,7 +24,7 @@ summary = df.groupby("label")["x"].agg(["mean", "std", "count"])
 
 def run(ctx: Context) -> list[Row]:
     n, reps = ctx.pick(2, 5), ctx.pick(1, 3)
-    setup = SETUP.format(rows=ctx.pick(300_000, 1_500_000))
+    setup = SETUP.format(rows=ctx.pick(300_000, 3_000_000))
 
     def fresh() -> Sandbox:
         sandbox = ctx.sandbox()

@@ -18,10 +18,15 @@ from branchbox.sdk import Sandbox, SandboxError
 
 TITLE = "branching a workspace (a source tree)"
 EDITED = 10
+# No automatic gc: it packs loose objects in the background, under a running cp -r.
+GIT = ("git", "-c", "user.name=bench", "-c", "user.email=bench@localhost", "-c", "gc.auto=0")
 
 
 def sh(*argv: str | Path, cwd: Path | None = None) -> None:
-    subprocess.run(argv, cwd=cwd, check=True, capture_output=True)
+    """Run a host command; a failure says what the command said."""
+    done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, argv))} failed: {done.stderr.strip()}")
 
 
 def run(ctx: Context) -> list[Row]:
@@ -30,17 +35,17 @@ def run(ctx: Context) -> list[Row]:
         tmp = Path(tmp_name)
         ctx.step(f"building a {dirs * 100}-file tree and its git repository")
         tree = make_tree(tmp, dirs, 100)
-        sh("git", "init", "-q", cwd=tree)
-        sh("git", "add", "-A", cwd=tree)
-        sh("git", "-c", "user.name=bench", "-c", "user.email=bench@localhost", "commit", "-qm",
-           "tree", cwd=tree)
+        sh(*GIT, "init", "-q", cwd=tree)
+        sh(*GIT, "add", "-A", cwd=tree)
+        sh(*GIT, "commit", "-qm", "tree", cwd=tree)
+        sh(*GIT, "gc", "-q", cwd=tree)  # a real repository is packed
         size = f"{dirs * 100}-file tree"
         ctx.step("cp -r / git worktree add")
         copies = _numbered(tmp / "copy")
         worktrees = _numbered(tmp / "worktree")
         cp = Row(f"cp -r of the {size}", timed(lambda: sh("cp", "-r", tree, copies()), reps))
         wt = Row(f"git worktree add of the {size}",
-                 timed(lambda: sh("git", "worktree", "add", "-q", "--detach", worktrees(),
+                 timed(lambda: sh(*GIT, "worktree", "add", "-q", "--detach", worktrees(),
                                   cwd=tree), reps))
         git_commit = Row(f"git commit of {EDITED} edited files in a worktree",
                          _git_commits(tree, tmp / "worktree-0", reps))
@@ -66,9 +71,7 @@ def _git_commits(tree: Path, worktree: Path, reps: int) -> list[float]:
     samples = []
     for rep in range(reps):
         sh("sh", "-c", edit_command(".", EDITED, f"edit {rep}"), cwd=worktree)
-        samples += timed(lambda: sh("git", "-c", "user.name=bench", "-c",
-                                    "user.email=bench@localhost", "commit", "-qam", "edit",
-                                    cwd=worktree), 1)
+        samples += timed(lambda: sh(*GIT, "commit", "-qam", "edit", cwd=worktree), 1)
     return samples
 
 
