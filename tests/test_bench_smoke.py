@@ -15,8 +15,9 @@ from branchbox.cli import app
 def test_bench_quick_run_code_prints_a_table_and_writes_json(tmp_path: Path) -> None:
     require_root()  # the bench starts its own daemon
     path = tmp_path / "bench.json"
-    result = CliRunner().invoke(app, ["bench", "--quick", "--only", "run_code", "--json",
-                                      str(path)])
+    result = CliRunner().invoke(
+        app, ["bench", "--quick", "--only", "run_code", "--json", str(path)]
+    )
     assert result.exit_code == 0, result.output
     for header in ("operation", "p50", "p90", "max", "run_code 1+1"):
         assert header in result.output

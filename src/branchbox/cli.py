@@ -479,7 +479,7 @@ def reflexion_command(
 @command()
 def bench(
     quick: Annotated[bool, typer.Option("--quick", help="Fewer runs and smaller sizes "
-                                                        "(a few minutes).")] = False,
+                                                        "(under a minute).")] = False,
     only: Annotated[list[str] | None, typer.Option(
         "--only", help="Run only this suite (repeatable).", show_default=False)] = None,
     json_file: Annotated[Path | None, typer.Option(

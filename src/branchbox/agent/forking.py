@@ -312,3 +312,14 @@ def handle_configure(agent, req: dict, payload: bytes, fds: list[int]) -> None:
     os.makedirs(cwd, exist_ok=True)
     os.chdir(cwd)
     agent.done(req["rid"], {})
+
+
+def handle_attach(agent, req: dict, payload: bytes, fds: list[int]) -> None:
+    """Attach a detached mount the daemon built (a workspace) at ``path`` in this sandbox."""
+    (tree,) = fds
+    try:
+        os.makedirs(req["path"], exist_ok=True)
+        sysc.move_mount_fd(tree, req["path"])
+    finally:
+        os.close(tree)
+    agent.done(req["rid"], {})

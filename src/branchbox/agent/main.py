@@ -24,6 +24,7 @@ from .files import (
 )
 from .forking import (
     command_spawning,
+    handle_attach,
     handle_configure,
     handle_fork,
     handle_fork_slot,
@@ -71,6 +72,7 @@ def run(ctrl_fd: int) -> None:
     agent.register("fork", handle_fork)
     agent.register("sethostname", handle_sethostname)
     agent.register("configure", handle_configure)
+    agent.register("attach", handle_attach)
     agent.serve()
 
 

@@ -39,8 +39,18 @@ from branchbox.bench.measure import Context, Row
 
 SUITES: dict[str, ModuleType] = {
     module.__name__.rsplit(".", 1)[1]: module
-    for module in (create, run_code, fork, merge, diff, memory, children, rounds, without_fork,
-                   workspace)
+    for module in (
+        create,
+        run_code,
+        fork,
+        merge,
+        diff,
+        memory,
+        children,
+        rounds,
+        without_fork,
+        workspace,
+    )
 }
 
 
@@ -63,15 +73,24 @@ class Results:
 def machine() -> dict[str, object]:
     """What a reader needs to judge the numbers."""
     meminfo = Path("/proc/meminfo").read_text().split()
-    return {"cpus": os.cpu_count(), "memory_gib": round(int(meminfo[1]) / 2**20, 1),
-            "kernel": platform.release(), "python": platform.python_version()}
+    return {
+        "cpus": os.cpu_count(),
+        "memory_gib": round(int(meminfo[1]) / 2**20, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+    }
 
 
 def run_suites(names: Sequence[str], quick: bool, console: Console) -> Results:
     """Run the named suites in order against one private daemon, showing progress."""
     results = Results(machine(), quick, [])
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-               TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+    )
     with Daemon() as daemon, Progress(*columns, console=console) as progress:
         overall = progress.add_task("suites", total=len(names))
         for name in names:
@@ -88,8 +107,9 @@ def run_suites(names: Sequence[str], quick: bool, console: Console) -> Results:
             suite.seconds = time.perf_counter() - t0
             results.suites.append(suite)
             # Also the only progress a log file gets (no live display off a terminal).
-            progress.console.log(f"{name}: {'failed' if suite.error else 'done'} in "
-                                 f"{suite.seconds:.0f} s")
+            progress.console.log(
+                f"{name}: {'failed' if suite.error else 'done'} in {suite.seconds:.0f} s"
+            )
             progress.remove_task(task)
             progress.advance(overall)
     return results

@@ -44,8 +44,12 @@ def run(ctx: Context) -> list[Row]:
             ctx.step(f"closing {len(kids)} children")
             close_all(kids)
     return [
-        Row("live children (parent: python + pandas imported)", [len(kids)], "children",
-            note=f"stopped by {stopped_by}"),
+        Row(
+            "live children (parent: python + pandas imported)",
+            [len(kids)],
+            "children",
+            note=f"stopped by {stopped_by}",
+        ),
         Row("time to fork them all", [seconds], "s", note=f"in calls of ≤{SERVER_LIMIT}"),
         Row("idle child of that parent", pss, "MiB"),
     ]

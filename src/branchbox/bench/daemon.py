@@ -40,7 +40,10 @@ class Daemon:
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "branchbox", "serve", "--data-dir", str(self.data_dir)],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         deadline = time.monotonic() + START_TIMEOUT
         while not self._healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -61,8 +64,12 @@ class Daemon:
         except OSError:
             return False
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self._stop()
         if exc_type is None:  # on failure, keep the log for whoever looks into it
             shutil.rmtree(self.data_dir, ignore_errors=True)

@@ -45,8 +45,12 @@ def fork_children(n: int) -> float:
 
 def floor_samples(megabytes: int, n: int, reps: int) -> list[float]:
     """Milliseconds per raw fork of n children, over ``reps`` runs, in a fresh process."""
-    out = subprocess.run([sys.executable, "-m", "branchbox.bench.floor", str(megabytes), str(n),
-                          str(reps)], check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "branchbox.bench.floor", str(megabytes), str(n), str(reps)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return json.loads(out.stdout)
 
 

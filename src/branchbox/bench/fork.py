@@ -64,12 +64,26 @@ def _cell(ctx: Context, parent: Sandbox, megabytes: int, n: int) -> list[Row]:
     samples = timed(fork_n, reps, close_all)
     params = {"n": n, "parent_mb": megabytes}
     note = "" if calls == 1 else f"{calls} calls: the server allows n ≤ {SERVER_LIMIT} per call"
-    floor = Row(f"raw os.fork() ×{n}, {megabytes} MiB process", floor_samples(megabytes, n, reps),
-                params={**params, "kind": "floor"}, note="the floor")
+    floor = Row(
+        f"raw os.fork() ×{n}, {megabytes} MiB process",
+        floor_samples(megabytes, n, reps),
+        params={**params, "kind": "floor"},
+        note="the floor",
+    )
     return [
         floor,
-        Row(f"fork({n}), parent holding {megabytes} MiB", samples,
-            params={**params, "kind": "fork"}, ratios=[Ratio(floor.name)], note=note),
-        Row(f"paused: fork({n}), parent holding {megabytes} MiB", pauses, table=PAUSE_TITLE,
-            params={**params, "kind": "pause"}, note=note),
+        Row(
+            f"fork({n}), parent holding {megabytes} MiB",
+            samples,
+            params={**params, "kind": "fork"},
+            ratios=[Ratio(floor.name)],
+            note=note,
+        ),
+        Row(
+            f"paused: fork({n}), parent holding {megabytes} MiB",
+            pauses,
+            table=PAUSE_TITLE,
+            params={**params, "kind": "pause"},
+            note=note,
+        ),
     ]

@@ -47,15 +47,22 @@ class Row:
         if not self.samples:
             return None
         ordered = sorted(self.samples)
-        return {"n": len(ordered), "p50": statistics.median(ordered),
-                "p90": ordered[round(0.9 * (len(ordered) - 1))], "max": ordered[-1]}
+        return {
+            "n": len(ordered),
+            "p50": statistics.median(ordered),
+            "p90": ordered[round(0.9 * (len(ordered) - 1))],
+            "max": ordered[-1],
+        }
 
     def as_json(self) -> dict[str, Any]:
         return {**asdict(self), "summary": self.summary()}
 
 
-def timed(fn: Callable[[], T], reps: int, after: Callable[[T], object] | None = None,
-          ) -> list[float]:
+def timed(
+    fn: Callable[[], T],
+    reps: int,
+    after: Callable[[T], object] | None = None,
+) -> list[float]:
     """Milliseconds per call of ``fn`` over ``reps`` calls; ``after`` (clean-up, say)
     runs outside the timed span."""
     samples = []
@@ -76,8 +83,9 @@ def rollup_mib(pids: Iterable[int], fields: tuple[str, ...]) -> float:
             text = Path(f"/proc/{pid}/smaps_rollup").read_text()
         except OSError:  # exited since it was listed
             continue
-        kib += sum(int(line.split()[1]) for line in text.splitlines()
-                   if line.split(":")[0] in fields)
+        kib += sum(
+            int(line.split()[1]) for line in text.splitlines() if line.split(":")[0] in fields
+        )
     return kib / 1024
 
 
@@ -89,8 +97,7 @@ def sandbox_pss_mib(sandbox: Sandbox) -> float:
 
 def sandbox_private_mib(sandbox: Sandbox) -> float:
     """Pages only this sandbox maps: what closing it would give back."""
-    return rollup_mib(sandbox.info()["resources"]["host_pids"],
-                      ("Private_Clean", "Private_Dirty"))
+    return rollup_mib(sandbox.info()["resources"]["host_pids"], ("Private_Clean", "Private_Dirty"))
 
 
 def close_all(sandboxes: Iterable[Sandbox]) -> None:

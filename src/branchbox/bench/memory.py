@@ -41,15 +41,24 @@ def run(ctx: Context) -> list[Row]:
             close_all(kids)
     rows = [Row(f"parent holding {megabytes} MiB, alone (PSS)", [alone], "MiB")]
     for when, (pss, private, marginal) in (("idle", idle), ("after writing 10 MiB", touched)):
-        rows += [Row(f"child {when}: PSS", pss, "MiB"),
-                 Row(f"child {when}: private", private, "MiB"),
-                 Row(f"child {when}: family PSS growth per child", [marginal], "MiB",
-                     note=f"(parent + {CHILDREN} children − parent alone) / {CHILDREN}")]
+        rows += [
+            Row(f"child {when}: PSS", pss, "MiB"),
+            Row(f"child {when}: private", private, "MiB"),
+            Row(
+                f"child {when}: family PSS growth per child",
+                [marginal],
+                "MiB",
+                note=f"(parent + {CHILDREN} children − parent alone) / {CHILDREN}",
+            ),
+        ]
     return rows
 
 
-def _measure(parent: Sandbox, kids: list[Sandbox], alone: float,
-             ) -> tuple[list[float], list[float], float]:
+def _measure(
+    parent: Sandbox,
+    kids: list[Sandbox],
+    alone: float,
+) -> tuple[list[float], list[float], float]:
     pss = [sandbox_pss_mib(k) for k in kids]
     family = sandbox_pss_mib(parent) + sum(pss)
     return pss, [sandbox_private_mib(k) for k in kids], (family - alone) / len(kids)

@@ -40,8 +40,7 @@ def ratio_text(value: float | None, ratio: Ratio) -> str:
 
 
 def times(value: float) -> str:
-    return f"{value:.0f}×" if value >= 100 else f"{value:.1f}×" if value >= 10 else \
-        f"{value:.2g}×"
+    return f"{value:.0f}×" if value >= 100 else f"{value:.1f}×" if value >= 10 else f"{value:.2g}×"
 
 
 def number(value: float, unit: str) -> str:
@@ -59,8 +58,10 @@ def show(results: Results, console: Console) -> None:
     """One table per suite (and per extra table a suite asks for), then failures."""
     rows = all_rows(results)
     m = results.machine
-    console.print(f"branchbox bench{' --quick' if results.quick else ''}: {m['cpus']} CPUs, "
-                  f"{m['memory_gib']} GiB, Linux {m['kernel']}, Python {m['python']}")
+    console.print(
+        f"branchbox bench{' --quick' if results.quick else ''}: {m['cpus']} CPUs, "
+        f"{m['memory_gib']} GiB, Linux {m['kernel']}, Python {m['python']}"
+    )
     for suite in results.suites:
         tables: dict[str, list[Row]] = {}
         for row in suite.rows:
@@ -73,12 +74,14 @@ def show(results: Results, console: Console) -> None:
             table.add_column("compared")
             for row in group:
                 summary = row.summary()
-                values = [NOT_AVAILABLE] * 4 if summary is None else \
-                    [str(summary["n"])] + [number(summary[k], row.unit)
-                                           for k in ("p50", "p90", "max")]
+                values = (
+                    [NOT_AVAILABLE] * 4
+                    if summary is None
+                    else [str(summary["n"])]
+                    + [number(summary[k], row.unit) for k in ("p50", "p90", "max")]
+                )
                 compared = [ratio_text(ratio_value(row, r, rows), r) for r in row.ratios]
-                table.add_row(row.name, *values, "\n".join(compared + [row.note] * bool(
-                    row.note)))
+                table.add_row(row.name, *values, "\n".join(compared + [row.note] * bool(row.note)))
             console.print(table)
     for suite in results.suites:
         if suite.error:
@@ -92,11 +95,14 @@ def as_json(results: Results) -> dict[str, Any]:
         rendered = []
         for row in suite.rows:
             data = row.as_json()
-            data["ratios"] = [{**asdict(r), "value": ratio_value(row, r, rows)}
-                              for r in row.ratios]
+            data["ratios"] = [{**asdict(r), "value": ratio_value(row, r, rows)} for r in row.ratios]
             rendered.append(data)
-        suites[suite.name] = {"title": suite.title, "seconds": suite.seconds,
-                              "error": suite.error, "rows": rendered}
+        suites[suite.name] = {
+            "title": suite.title,
+            "seconds": suite.seconds,
+            "error": suite.error,
+            "rows": rendered,
+        }
     return {"machine": results.machine, "quick": results.quick, "suites": suites}
 
 
@@ -108,8 +114,11 @@ def write_json(results: Results, path: Path) -> None:
 def plot(results: Results, path: Path) -> bool:
     """Fork latency (p50) against n and against parent memory, with the floor dashed.
     Returns False when the run measured no fork rows (say ``--only create``)."""
-    points = [r for r in all_rows(results).values()
-              if r.params.get("kind") in ("fork", "floor") and r.summary()]
+    points = [
+        r
+        for r in all_rows(results).values()
+        if r.params.get("kind") in ("fork", "floor") and r.summary()
+    ]
     if not points:
         return False
     import matplotlib
@@ -131,21 +140,35 @@ def plot(results: Results, path: Path) -> bool:
         # One colour per series, shared by our line and its floor.
         for color, mb in enumerate(states):
             line = sorted((r.params["n"], p50(r)) for r in mine if r.params["parent_mb"] == mb)
-            by_n.plot(*zip(*line, strict=True), style, color=f"C{color}",
-                      label=f"{label}, parent {mb} MiB")
+            by_n.plot(
+                *zip(*line, strict=True),
+                style,
+                color=f"C{color}",
+                label=f"{label}, parent {mb} MiB",
+            )
         for color, n in enumerate(sizes):
             line = sorted((r.params["parent_mb"], p50(r)) for r in mine if r.params["n"] == n)
             by_mb.plot(*zip(*line, strict=True), style, color=f"C{color}", label=f"{label}, n={n}")
-    by_n.set(xscale="log", yscale="log", xlabel="children n", ylabel="p50 latency (ms)",
-             title="fork latency vs n")
-    by_mb.set(yscale="log", xlabel="parent state (MiB)", ylabel="p50 latency (ms)",
-              title="fork latency vs parent memory")
+    by_n.set(
+        xscale="log",
+        yscale="log",
+        xlabel="children n",
+        ylabel="p50 latency (ms)",
+        title="fork latency vs n",
+    )
+    by_mb.set(
+        yscale="log",
+        xlabel="parent state (MiB)",
+        ylabel="p50 latency (ms)",
+        title="fork latency vs parent memory",
+    )
     for ax in (by_n, by_mb):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=6)
     m = results.machine
-    fig.suptitle(f"branchbox bench: {m['cpus']} CPUs, {m['memory_gib']} GiB, Linux {m['kernel']}",
-                 fontsize=9)
+    fig.suptitle(
+        f"branchbox bench: {m['cpus']} CPUs, {m['memory_gib']} GiB, Linux {m['kernel']}", fontsize=9
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)

@@ -31,7 +31,11 @@ def run(ctx: Context) -> list[Row]:
     return [
         Row("round 1", samples[:1]),
         first,
-        Row(f"rounds {rounds - window + 1}–{rounds}", samples[-window:], ratios=[Ratio(first.name)],
-            note=note),
+        Row(
+            f"rounds {rounds - window + 1}–{rounds}",
+            samples[-window:],
+            ratios=[Ratio(first.name)],
+            note=note,
+        ),
         Row(f"round {rounds}", samples[-1:]),
     ]

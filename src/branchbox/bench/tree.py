@@ -12,7 +12,7 @@ import random
 import tarfile
 from pathlib import Path
 
-from branchbox.sdk import Sandbox
+from branchbox.sdk import CommandResult, Sandbox
 
 SANDBOX_PARENT = "/root"
 
@@ -26,7 +26,8 @@ def make_tree(root: Path, dirs: int, files: int) -> Path:
         for f in range(files):
             lines = rng.randint(16, 64)
             (tree / f"pkg{d}" / f"mod{f}.py").write_text(
-                "".join(f"value_{i} = {rng.random()!r}  # line {i}\n" for i in range(lines)))
+                "".join(f"value_{i} = {rng.random()!r}  # line {i}\n" for i in range(lines))
+            )
     return tree
 
 
@@ -36,8 +37,10 @@ def upload_tree(sandbox: Sandbox, tree: Path) -> str:
     with tarfile.open(fileobj=buf, mode="w") as tar:
         tar.add(tree, arcname=tree.name)
     sandbox.files.write("/tmp/tree.tar", buf.getvalue())
-    result = sandbox.exec(f"tar -xf /tmp/tree.tar -C {SANDBOX_PARENT} && rm /tmp/tree.tar",
-                          timeout=600)
+    result = sandbox.exec(
+        f"tar -xf /tmp/tree.tar -C {SANDBOX_PARENT} && rm /tmp/tree.tar", timeout=600
+    )
+    assert isinstance(result, CommandResult)  # not background=True
     if result.exit_code != 0:
         raise RuntimeError(f"unpacking the tree failed: {result.stderr}")
     return f"{SANDBOX_PARENT}/{tree.name}"

@@ -36,8 +36,9 @@ def run(ctx: Context) -> list[Row]:
             return list(pool.map(lambda _: fresh(), range(n)))
 
     ctx.step(f"{n} fresh sandboxes, each running the setup")
-    without = Row(f"{n} fresh sandboxes, setup in each", timed(fresh_n, reps, close_all),
-                  params={"n": n})
+    without = Row(
+        f"{n} fresh sandboxes, setup in each", timed(fresh_n, reps, close_all), params={"n": n}
+    )
     ctx.step(f"one setup, then fork({n})")
     with ctx.sandbox() as parent:
         setups, forks = [], []
@@ -51,6 +52,10 @@ def run(ctx: Context) -> list[Row]:
         Row("the setup, once (build a DataFrame)", setups),
         without,
         Row(f"fork({n}) after the setup", forks, params={"n": n}, ratios=faster),
-        Row(f"the setup once + fork({n})", [s + f for s, f in zip(setups, forks, strict=True)],
-            params={"n": n}, ratios=faster),
+        Row(
+            f"the setup once + fork({n})",
+            [s + f for s, f in zip(setups, forks, strict=True)],
+            params={"n": n},
+            ratios=faster,
+        ),
     ]

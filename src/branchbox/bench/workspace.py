@@ -44,17 +44,24 @@ def run(ctx: Context) -> list[Row]:
         copies = _numbered(tmp / "copy")
         worktrees = _numbered(tmp / "worktree")
         cp = Row(f"cp -r of the {size}", timed(lambda: sh("cp", "-r", tree, copies()), reps))
-        wt = Row(f"git worktree add of the {size}",
-                 timed(lambda: sh(*GIT, "worktree", "add", "-q", "--detach", worktrees(),
-                                  cwd=tree), reps))
-        git_commit = Row(f"git commit of {EDITED} edited files in a worktree",
-                         _git_commits(tree, tmp / "worktree-0", reps))
+        wt = Row(
+            f"git worktree add of the {size}",
+            timed(
+                lambda: sh(*GIT, "worktree", "add", "-q", "--detach", worktrees(), cwd=tree), reps
+            ),
+        )
+        git_commit = Row(
+            f"git commit of {EDITED} edited files in a worktree",
+            _git_commits(tree, tmp / "worktree-0", reps),
+        )
         ctx.step("fork(1) of a sandbox holding the tree")
         with ctx.sandbox() as holder:
             upload_tree(holder, tree)
-            fork = Row(f"fork(1) of a sandbox holding the {size} in /root",
-                       timed(lambda: holder.fork(1), reps, close_all),
-                       ratios=[Ratio(cp.name, faster=True), Ratio(wt.name, faster=True)])
+            fork = Row(
+                f"fork(1) of a sandbox holding the {size} in /root",
+                timed(lambda: holder.fork(1), reps, close_all),
+                ratios=[Ratio(cp.name, faster=True), Ratio(wt.name, faster=True)],
+            )
         ctx.step("workspace branch")
         branch, commit = _workspace(ctx, tree, reps, size, cp, wt, git_commit)
     return [cp, wt, fork, branch, git_commit, commit]
@@ -75,8 +82,9 @@ def _git_commits(tree: Path, worktree: Path, reps: int) -> list[float]:
     return samples
 
 
-def _workspace(ctx: Context, tree: Path, reps: int, size: str, cp: Row, wt: Row,
-               git_commit: Row) -> tuple[Row, Row]:
+def _workspace(
+    ctx: Context, tree: Path, reps: int, size: str, cp: Row, wt: Row, git_commit: Row
+) -> tuple[Row, Row]:
     """Workspace branch creation and commit, or two "not yet available" rows."""
     branch_name = f"workspace branch: Sandbox(workspace=) of the {size}"
     commit_name = f"workspace commit() of {EDITED} edited files"
@@ -85,8 +93,11 @@ def _workspace(ctx: Context, tree: Path, reps: int, size: str, cp: Row, wt: Row,
     except (SandboxError, TypeError, NotImplementedError) as exc:
         why = f"not yet available: {type(exc).__name__}: {exc}"
         return Row(branch_name, [], note=why), Row(commit_name, [], note=why)
-    branch = Row(branch_name, timed(lambda: ctx.sandbox(workspace=tree), reps, Sandbox.close),
-                 ratios=[Ratio(cp.name, faster=True), Ratio(wt.name, faster=True)])
+    branch = Row(
+        branch_name,
+        timed(lambda: ctx.sandbox(workspace=tree), reps, Sandbox.close),
+        ratios=[Ratio(cp.name, faster=True), Ratio(wt.name, faster=True)],
+    )
     commits = []
     for rep in range(reps):
         with ctx.sandbox(workspace=tree) as sandbox:

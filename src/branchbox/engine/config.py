@@ -25,7 +25,7 @@ class EngineConfig:
     image_cache: Path = field(
         default_factory=lambda: _env_path("BRANCHBOX_IMAGE_CACHE", DEFAULT_IMAGE_CACHE)
     )
-    max_fork: int = 32
+    max_fork: int = field(default_factory=lambda: int(os.environ.get("BRANCHBOX_MAX_FORK", "32")))
     memory_mb: int = 4096
     pids_max: int = 1024
     busy_wait: float = 30.0  # how long a fork waits for a busy REPL before 409

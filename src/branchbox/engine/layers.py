@@ -105,10 +105,20 @@ class Layers:
             raise
         for layer in frozen:
             layer.refs += 1
+        stack = LayerStack(volume, list(frozen), list(base))
         if workspace is not None:
-            workspace = replace(workspace)
-            workspace.lower.users += 1
-        return LayerStack(volume, list(frozen), list(base), workspace)
+            self._join(stack, workspace)
+        return stack
+
+    def add_workspace(self, stack: LayerStack, workspace: WorkspaceBranch) -> None:
+        """Give a running sandbox's stack (a warm one) a workspace after the fact."""
+        rootfs.prepare_workspace(stack.volume, workspace.lower.host)
+        self._join(stack, workspace)
+
+    @staticmethod
+    def _join(stack: LayerStack, workspace: WorkspaceBranch) -> None:
+        stack.workspace = replace(workspace)
+        workspace.lower.users += 1
 
     def freeze(self, stack: LayerStack) -> FrozenLayer:
         """Capture ``stack``'s writable volume as a new frozen layer (O(1) on btrfs)."""

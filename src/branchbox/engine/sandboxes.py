@@ -252,14 +252,16 @@ class Engine:
                 raise errors.InvalidRequest(f"{name} must be between 0 and 604800 seconds")
         meta = {"cwd": cwd, "memory_mb": memory_mb, "timeout": timeout,
                 "workspace": str(branch.lower.host) if branch else None}
-        sb = self._take_warm(image) if branch is None else None
+        sb = self._take_warm(image)
         if sb is not None:  # a warm sandbox: give it this request's settings
             if memory_mb is not None:
                 sb.body.cgroup.apply(self._limits(memory_mb))
             sb.record.meta, sb.record.created = meta, time.time()
             try:
+                if branch is not None:  # before configure: cwd may be inside it
+                    await self._attach_workspace(sb.body, branch)
                 await sb.body.channel.call("configure", {"env": env or {}, "cwd": cwd})
-            except (AgentError, ChannelClosed) as exc:
+            except (AgentError, ChannelClosed, OSError) as exc:
                 await self._destroy_body(sb.body)
                 await sb.family.family.kill()
                 raise errors.EngineError(f"a warm sandbox failed to start: {exc}") from None
@@ -303,13 +305,23 @@ class Engine:
         record = SandboxRecord(id=sid, family=sid, instance=key, image=image, meta=meta)
         return Live(record, body, FamilyHandle(family, {sid}))
 
+    async def _attach_workspace(self, body: Body, branch: WorkspaceBranch) -> None:
+        """Mount a workspace into a running sandbox: its layers join the sandbox's volume
+        and the REPL attaches the detached overlay at the host path."""
+        self.layers.add_workspace(body.layers, branch)
+        ((tree, path),) = body.layers.mounts()
+        try:
+            await body.channel.call("attach", {"path": path}, fds=[tree])
+        finally:
+            os.close(tree)
+
     # --------------------------------------------------------------- warm pool
     def _take_warm(self, image: str) -> Live | None:
         """A pre-started sandbox of ``image`` if one is ready; starts a replacement.
 
         Starting a family costs two interpreter start-ups (~150 ms here); keeping a
         few ready makes create a matter of milliseconds. Warm sandboxes are plain
-        defaults (no workspace) and take a request's env, cwd and memory limit on
+        defaults and take a request's workspace, env, cwd and memory limit on
         hand-out.
         """
         pool = self._warm.setdefault(image, [])

@@ -62,6 +62,16 @@ def _write_id_maps(pid: int) -> None:
     Path(f"/proc/{pid}/gid_map").write_text(mapping)
 
 
+async def _abandon(family: Family, channel: AgentChannel | None, ping, ours) -> None:
+    """Undo a spawn that failed half-way: kill the family, stop reading its channel."""
+    if ping is not None:
+        ping.cancel()
+    await family.kill()
+    if channel is not None:
+        await channel.close()
+    ours.close()
+
+
 async def spawn_family(
     *,
     tree_fd: int,
@@ -120,6 +130,7 @@ async def spawn_family(
             os.close(fd)
         theirs.detach()
     family = Family(launcher)
+    channel = ping = None
     try:
         if await _read_some(status_r, timeout) != b"u":
             raise SpawnError(f"the launcher died before making its user namespace (see {log_path})")
@@ -140,9 +151,12 @@ async def spawn_family(
                 f"the sandbox's agent did not answer ({exc or 'timeout'}; see {log_path})"
             ) from exc
         return family, channel
+    except TimeoutError:
+        await _abandon(family, channel, ping, ours)
+        raise SpawnError(f"the sandbox did not start within {timeout:.0f} s (see {log_path})"
+                         ) from None
     except BaseException:
-        await family.kill()
-        ours.close()
+        await _abandon(family, channel, ping, ours)
         raise
     finally:
         os.close(status_r)

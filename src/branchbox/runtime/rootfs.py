@@ -91,17 +91,26 @@ def _compile_init(dest: Path) -> None:
 
 def prepare_writable(volume: Path, workspace: Path | None = None) -> None:
     """Lay out a fresh volume: upper/ and work/ for the root, and with a workspace also
-    ws/upper and ws/work for it plus its mount point (the host path) in the root.
-
-    The workspace's layers live in the same volume as the root's, so the one snapshot
-    a fork takes captures both at the same instant.
-    """
+    its layers and mount point (see :func:`prepare_workspace`)."""
     upper = volume / "upper"
     (volume / "work").mkdir()
     upper.mkdir()
     _own(upper)
-    if workspace is None:
-        return
+    if workspace is not None:
+        prepare_workspace(volume, workspace)
+        point = upper
+        for part in workspace.parts[1:]:
+            point = point / part
+            point.mkdir()
+            _own(point)
+
+
+def prepare_workspace(volume: Path, workspace: Path) -> None:
+    """ws/upper and ws/work in a volume, for a workspace of host directory ``workspace``.
+
+    The workspace's layers live in the same volume as the root's, so the one snapshot
+    a fork takes captures both at the same instant.
+    """
     (volume / "ws").mkdir()
     (volume / "ws" / "work").mkdir()
     ws_upper = volume / "ws" / "upper"
@@ -111,11 +120,6 @@ def prepare_writable(volume: Path, workspace: Path | None = None) -> None:
     host = workspace.stat()
     os.chown(ws_upper, host.st_uid + UID_BASE, host.st_gid + UID_BASE)
     ws_upper.chmod(stat.S_IMODE(host.st_mode))
-    point = upper
-    for part in workspace.parts[1:]:
-        point = point / part
-        point.mkdir()
-        _own(point)
 
 
 def _own(path: Path) -> None:
