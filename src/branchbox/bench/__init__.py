@@ -33,6 +33,7 @@ from branchbox.bench import (
     run_code,
     without_fork,
     workspace,
+    workspace_io,
 )
 from branchbox.bench.daemon import Daemon
 from branchbox.bench.measure import Context, Row
@@ -50,6 +51,7 @@ SUITES: dict[str, ModuleType] = {
         rounds,
         without_fork,
         workspace,
+        workspace_io,
     )
 }
 
