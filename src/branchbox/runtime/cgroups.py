@@ -204,7 +204,11 @@ class SandboxCgroup:
             for pid in self.pids():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-            self.freeze(frozen=False)
+            # Thaw the leaves too: one left frozen by a fork that never finished (its daemon
+            # died) keeps its own state, and frozen processes cannot die.
+            for leaf in (None, *LEAVES):
+                with contextlib.suppress(FileNotFoundError):
+                    self.freeze(leaf, frozen=False)
         deadline = time.monotonic() + timeout
         while self.pids() and time.monotonic() < deadline:
             time.sleep(0.001)
