@@ -69,19 +69,6 @@ _libc_fflush = ctypes.CDLL(None).fflush
 _libc_fflush.argtypes = [ctypes.c_void_p]
 
 
-def thread_count() -> int:
-    """Threads of this process now, from /proc: threads not started by ``threading`` count too.
-
-    Forking a process with more than one thread can deadlock the child (a lock
-    held by a thread that does not exist there).
-    """
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("Threads:"):
-                return int(line.split()[1])
-    raise RuntimeError("no Threads: line in /proc/self/status")
-
-
 class _Call:
     """One run_code request in progress."""
 

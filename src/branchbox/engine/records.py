@@ -60,12 +60,6 @@ class Records:
             row,
         )
 
-    def put_many(self, recs: list[SandboxRecord]) -> None:
-        with self.db:
-            self.db.execute("BEGIN")
-            for rec in recs:
-                self.put(rec)
-
     def live(self) -> list[SandboxRecord]:
         rows = self.db.execute(
             "SELECT id, family, instance, image, parent_id, state, created, closed, meta "
