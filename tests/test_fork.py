@@ -8,7 +8,7 @@ import time
 import pytest
 
 from branchbox import InvalidRequest, Sandbox, SandboxNotFound, StaleBranchError
-from branchbox.engine import sandboxes as engine_sandboxes
+from branchbox.engine import branching
 from branchbox.runtime import cgroups
 from branchbox.sdk._portal import portal
 
@@ -129,7 +129,7 @@ def test_failed_child_creation_cleans_up(sandbox, harness, monkeypatch) -> None:
             raise OSError(28, "No space left on device (injected)")
         return real_create(*args, **kwargs)
 
-    monkeypatch.setattr(engine_sandboxes.SandboxCgroup, "create", flaky)
+    monkeypatch.setattr(branching.SandboxCgroup, "create", flaky)
     with pytest.raises(Exception, match="injected"):
         sandbox.fork(4)
     monkeypatch.undo()
@@ -191,7 +191,7 @@ def test_nested_forks_fifty_deep(harness) -> None:
         chain.append(nxt)
     assert chain[-1].run_code("depth").text == "50"
     assert len(chain[-1].files.read("/root/trail").split()) == 50
-    assert harness.engine.info(chain[-1].id)["layers"] <= engine_sandboxes.MAX_CHAIN + 1
+    assert harness.engine.info(chain[-1].id)["layers"] <= branching.MAX_CHAIN + 1
     close_all(chain)
 
 
@@ -207,7 +207,7 @@ def test_many_fork_merge_rounds_keep_the_chain_bounded(harness) -> None:
             parent.merge_into(child)
         assert parent.run_code("n").text == str(rounds)
         assert parent.files.exists(f"/root/round-{(rounds - 1) // 50 * 50}")
-        assert harness.engine.info(parent.id)["layers"] <= engine_sandboxes.MAX_CHAIN + 1
+        assert harness.engine.info(parent.id)["layers"] <= branching.MAX_CHAIN + 1
 
 
 def test_diff_sees_changes_deletions_and_other_families(harness) -> None:

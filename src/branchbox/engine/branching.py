@@ -1,0 +1,240 @@
+"""fork, merge_into and diff: branching a live sandbox and choosing among branches.
+
+fork follows DESIGN.md's "How fork works", pipelined: the REPL forks child k as
+soon as its slot arrives, so child k sets itself up while the daemon prepares
+child k+1. merge_into re-binds the parent's record to the winner's body; diff
+reads the two sandboxes' overlay layers directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import socket
+import time
+from collections.abc import AsyncIterator
+
+from branchbox.agent.protocol import ChannelClosed
+from branchbox.engine import errors
+from branchbox.engine.layers import (
+    FrozenLayer,
+    LayerStack,
+)
+from branchbox.engine.live import Body, Live, new_id
+from branchbox.engine.records import SandboxRecord
+from branchbox.runtime.cgroups import Limits, SandboxCgroup
+from branchbox.runtime.channel import AgentChannel, AgentError
+from branchbox.storage.layerdiff import diff_layers
+
+# Frozen layers a root may stack before a fork squashes them into one.
+MAX_CHAIN = 16
+DEFAULT_DIFF_PATHS = ("/root", "/tmp")
+
+
+class Branching:
+    """Mixed into Engine (uses its live sandboxes, layers, locks and lineage)."""
+
+    async def fork(self, sandbox_id: str, n: int) -> list[Live]:
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.config.max_fork:
+            raise errors.InvalidRequest(f"n must be between 1 and {self.config.max_fork}")
+        parent = self.get(sandbox_id)
+        await self._acquire(parent, self.config.busy_wait)
+        try:
+            channel = self._check_alive(parent)
+            return await self._fork_locked(parent, channel, n)
+        finally:
+            parent.lock.release()
+
+    async def _fork_locked(self, parent: Live, channel: AgentChannel, n: int) -> list[Live]:
+        """Pipelined: the REPL forks child k as soon as its slot arrives, so child k sets
+        itself up while the daemon prepares child k+1. All children still come from one
+        instant: the REPL runs nothing else between the slots, and they share one frozen
+        layer."""
+        started = time.perf_counter()
+        pbody = parent.body
+        pbody.cgroup.freeze("cmds")
+        made: list[tuple[str, Body]] = []
+        fresh: list[FrozenLayer] = []
+        pending: list = []  # each slot's answer, then each child's hello
+        batch_open = False
+        try:
+            fresh.append(await asyncio.to_thread(self.layers.freeze, pbody.layers))
+            lowers = [fresh[0], *pbody.layers.frozen]
+            if len(lowers) > MAX_CHAIN:
+                fresh.append(await asyncio.to_thread(self.layers.squash, lowers))
+                lowers = [fresh[-1]]
+            limits = self._limits(parent.record.meta.get("memory_mb"))
+            for _ in range(n):
+                sid, body = self._prepare_child(lowers, pbody.layers, limits)
+                made.append((sid, body))
+                batch_open = True
+                answer, hello = await self._send_slot(channel, sid, body)
+                pending += [answer, hello]
+            batch_open = False
+            forked = await channel.call("fork")
+            try:
+                await asyncio.wait_for(asyncio.gather(*pending), self.config.spawn_timeout)
+            except TimeoutError:
+                raise errors.EngineError("fork failed: the children did not report within "
+                                         f"{self.config.spawn_timeout:.0f} s") from None
+            parent.last_fork = {"n": n, "repl_paused": forked.get("paused"),
+                                "total": time.perf_counter() - started}
+        except BaseException as exc:
+            for coro in pending:
+                if asyncio.iscoroutine(coro):
+                    coro.close()
+            if batch_open:  # let the REPL leave its fork batch
+                with contextlib.suppress(AgentError, ChannelClosed, OSError):
+                    await channel.call("fork")
+            for _, body in made:
+                await self._destroy_body(body)
+            if isinstance(exc, AgentError):
+                raise errors.EngineError(f"fork failed: {exc.message}") from None
+            if isinstance(exc, ChannelClosed):
+                raise errors.EngineError(
+                    "fork failed: a child died while entering its sandbox"
+                ) from None
+            raise
+        finally:
+            for layer in fresh:
+                if layer.refs == 0:  # unused: squashed away, or the fork failed
+                    self.layers.drop(layer)
+            pbody.cgroup.freeze("cmds", frozen=False)
+        children = []
+        for sid, body in made:
+            record = SandboxRecord(
+                id=sid,
+                family=parent.record.family,
+                instance=body.key,
+                image=parent.record.image,
+                parent_id=parent.id,
+                meta={**parent.record.meta, "timeout": None},
+            )
+            child = Live(record, body, parent.family, forked_at=parent.generation)
+            self._lineage[sid] = (parent.id, parent.generation)
+            parent.family.members.add(sid)
+            self._adopt(child, None)
+            children.append(child)
+        return children
+
+
+    def _prepare_child(self, lowers: list[FrozenLayer], parent: LayerStack,
+                       limits: Limits) -> tuple[str, Body]:
+        """A child's id, writable volume and cgroup; its channel is created at hand-over."""
+        sid, key = new_id(), secrets.token_hex(8)
+        stack = self.layers.new_stack(lowers, parent.base, parent.workspace)
+        try:
+            cgroup = SandboxCgroup.create(self.config.cgroup_group, key, limits)
+        except BaseException:
+            self.layers.release(stack)
+            raise
+        return sid, Body(key, stack, cgroup)
+
+    async def _send_slot(self, channel: AgentChannel, sid: str, body: Body):
+        """Hand the REPL a child's root, control socket, cgroup fds and extra mounts; it
+        forks the child on receipt. Returns two awaitables: the REPL's answer, and the
+        child's hello (request 0 on its own channel: ready, or why its set-up failed)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        body.channel = AgentChannel(ours)
+        hello = _drain(body.channel.events(0, body.channel.expect(0)))  # before it can come
+        repl_fds, cmds_fds = body.cgroup.join_fds("repl"), body.cgroup.join_fds("cmds")
+        mounts = body.layers.mounts()
+        fds = [body.layers.tree(), *repl_fds, *cmds_fds, *(fd for fd, _ in mounts)]
+        try:
+            rid, queue = channel.open_request()
+            slot = {"op": "fork_slot", "rid": rid, "id": sid, "nrepl": len(repl_fds),
+                    "ncmds": len(cmds_fds), "mounts": [path for _, path in mounts]}
+            await channel.send(slot, fds=[fds[0], theirs.fileno(), *fds[1:]])
+            return _drain(channel.events(rid, queue)), hello
+        except BaseException:
+            hello.close()
+            raise
+        finally:
+            theirs.close()
+            for fd in fds:
+                os.close(fd)
+
+    # --------------------------------------------------------------------- merge
+    def _fork_point(self, parent: Live, winner: Live) -> int:
+        """The parent generation ``winner``'s line was forked at; raises if not a descendant."""
+        node = winner.id
+        while node in self._lineage:
+            up, generation = self._lineage[node]
+            if up == parent.id:
+                return generation
+            node = up
+        raise errors.InvalidRequest(f"{winner.id} is not a descendant of {parent.id}")
+
+    async def merge_into(self, sandbox_id: str, winner_id: str) -> None:
+        """The parent's id takes over the winner's processes and files; the winner's id ends."""
+        parent, winner = self.get(sandbox_id), self.get(winner_id)
+        if parent is winner:
+            raise errors.InvalidRequest("cannot merge a sandbox into itself")
+        if self._fork_point(parent, winner) != parent.generation:
+            raise errors.StaleBranch(
+                f"{winner_id} is stale: {sandbox_id} changed by another merge after it was "
+                "forked (first merge wins)")
+        await self._acquire(parent, self.config.busy_wait)
+        try:
+            await self._acquire(winner, self.config.busy_wait)
+        except BaseException:
+            parent.lock.release()
+            raise
+        try:
+            # Re-check under the locks: another merge or a close may have won meanwhile.
+            if self.live.get(sandbox_id) is not parent or self.live.get(winner_id) is not winner:
+                raise errors.SandboxNotFound()
+            if self._fork_point(parent, winner) != parent.generation:
+                raise errors.StaleBranch(
+                    f"{winner_id} is stale: {sandbox_id} changed by another merge after it "
+                    "was forked (first merge wins)")
+            self._check_alive(winner)
+            old = parent.body
+            parent.body = winner.body
+            parent.generation = next(self._generations)
+            parent.record.instance = winner.body.key
+            parent.record.state = "ready"
+            self.live.pop(winner.id)
+            if winner.timer:
+                winner.timer.cancel()
+            for sid, (up, generation) in list(self._lineage.items()):
+                if up == winner.id:  # the winner's children are now the parent's
+                    fresh = generation == winner.generation
+                    self._lineage[sid] = (parent.id, parent.generation if fresh else -1)
+                    if sid in self.live:
+                        self.live[sid].record.parent_id = parent.id
+            winner.family.members.discard(winner.id)
+            self.records.mark_closed([winner.id])
+            self.records.put(parent.record)
+            parent.watcher = asyncio.get_running_loop().create_task(
+                self._watch(parent, parent.body))
+            with contextlib.suppress(errors.EngineError, AgentError, ChannelClosed):
+                await parent.body.channel.call("sethostname", {"hostname": parent.id})
+            self._retire(old)  # killed and freed in the background: merge returns now
+        finally:
+            winner.lock.release()
+            parent.lock.release()
+
+    # ---------------------------------------------------------------------- diff
+    async def diff(self, sandbox_id: str, other_id: str,
+                   paths: list[str] | None = None) -> dict[str, list[str]]:
+        """Files added in ``other``, removed from it, and modified, read from the layers."""
+        mine, other = self.get(sandbox_id), self.get(other_id)
+        paths = list(paths or DEFAULT_DIFF_PATHS)
+        for path in paths:
+            if not isinstance(path, str) or not path.startswith("/") or "\0" in path \
+                    or ".." in path.split("/"):
+                raise errors.InvalidRequest(f"diff paths must be absolute without '..': {path!r}")
+        try:
+            return await asyncio.to_thread(diff_layers, mine.body.layers.layer_dirs(),
+                                           other.body.layers.layer_dirs(), paths)
+        except FileNotFoundError:  # a layer went away under the walk
+            raise errors.Conflict("a sandbox was closed or merged while the diff was read; "
+                                  "diff live sandboxes") from None
+
+
+async def _drain(events: AsyncIterator) -> None:
+    async for _ in events:
+        pass

@@ -1,0 +1,59 @@
+"""What the engine holds for each live sandbox: its record, the body serving it, its family.
+
+A sandbox is a *record* (its public identity) bound to a *body* (the processes,
+cgroup and layers that currently serve it); merge_into re-binds a parent's record
+to the winner's body, which is why the two are kept apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from branchbox.engine.layers import (
+    LayerStack,
+)
+from branchbox.engine.records import SandboxRecord
+from branchbox.runtime.cgroups import SandboxCgroup
+from branchbox.runtime.channel import AgentChannel
+from branchbox.runtime.family import Family
+
+
+def new_id() -> str:
+    return "sbx_" + secrets.token_hex(16)
+
+
+@dataclass(eq=False)
+class FamilyHandle:
+    family: Family
+    members: set[str] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class Body:
+    """What serves a sandbox right now: layers, cgroup, REPL channel."""
+
+    key: str
+    layers: LayerStack
+    cgroup: SandboxCgroup
+    channel: AgentChannel | None = None
+
+
+@dataclass(eq=False)
+class Live:
+    record: SandboxRecord
+    body: Body
+    family: FamilyHandle
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    generation: int = 0  # bumped by every merge into this sandbox
+    forked_at: int | None = None  # the parent's generation when this one was forked
+    timer: asyncio.TimerHandle | None = None
+    watcher: asyncio.Task | None = None
+    last_fork: dict | None = None  # timings of the latest fork, seconds (for info and bench)
+    last_used: float = field(default_factory=time.monotonic)  # for the idle timeout
+
+    @property
+    def id(self) -> str:
+        return self.record.id

@@ -1,0 +1,101 @@
+"""Workspaces: a host directory inside a sandbox, copy-on-write, and its commit back.
+
+The workspace's bottom layer is an id-mapped detached mount of the host
+directory; its upper layers live in the sandbox's own volume, so forks inherit
+it. commit() hands the layers to storage.workspace_commit (crash-atomic) and
+keeps first-commit-wins among branches of the same directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+from branchbox.engine import errors
+from branchbox.engine.layers import (
+    WorkspaceBranch,
+    WorkspaceLower,
+)
+from branchbox.engine.live import Body
+from branchbox.runtime import rootfs
+from branchbox.storage import workspace_commit
+from branchbox.storage.idmap import UID_BASE
+
+
+class Workspaces:
+    """Mixed into Engine (uses its config, layers, records and locks)."""
+
+    def _workspace_branch(self, workspace: str) -> WorkspaceBranch:
+        """Validate a host directory and open it as a new branch's workspace."""
+        if not isinstance(workspace, str) or not workspace.startswith("/") or "\0" in workspace:
+            raise errors.InvalidRequest(f"workspace must be an absolute path: {workspace!r}")
+        host = Path(os.path.realpath(workspace))
+        if not host.is_dir():
+            raise errors.InvalidRequest(f"workspace is not a directory on the host: {host}")
+        forbidden = [Path("/"), *(Path(p) for p in ("/proc", "/sys", "/dev", "/run"))]
+        data = self.config.data_dir.resolve()
+        if host in forbidden or host.is_relative_to(data) or data.is_relative_to(host) \
+                or any(host.is_relative_to(p) for p in forbidden[1:]):
+            raise errors.InvalidRequest(f"{host} cannot be a workspace")
+        lower = self._workspace_lowers.get(host)
+        if lower is None or lower.users == 0:
+            lower = WorkspaceLower(host, rootfs.idmapped_tree(host, self._idmap_userns))
+            self._workspace_lowers[host] = lower
+        return WorkspaceBranch(lower, since=time.time(),
+                               version=self._workspace_versions.get(host, 0))
+
+    async def commit(self, sandbox_id: str) -> dict:
+        """Write the sandbox's workspace changes into the host directory, crash-atomically.
+
+        First commit wins: a branch that started from an older version of the
+        directory (a sibling committed first) gets StaleBranch and nothing changes.
+        """
+        sb = self.get(sandbox_id)
+        branch = sb.body.layers.workspace
+        if branch is None:
+            raise errors.InvalidRequest(f"sandbox {sandbox_id} has no workspace")
+        host = branch.lower.host
+        await self._acquire(sb, self.config.busy_wait)
+        try:
+            current = self._workspace_versions.get(host, 0)
+            if branch.version != current:
+                raise errors.StaleBranch(
+                    f"{host} changed since sandbox {sandbox_id} branched from it: another "
+                    "sandbox committed first (first commit wins)")
+            layers = sb.body.layers.workspace_dirs()
+            sb.body.cgroup.freeze("cmds")  # no command writes while the delta is read
+            self.records.begin_commit(host)
+            try:
+                done = await asyncio.to_thread(workspace_commit.commit, layers, host,
+                                               since=branch.since, uid_shift=UID_BASE)
+            except workspace_commit.WorkspaceConflict as exc:  # refused before any change
+                self.records.end_commit(host)
+                raise errors.Conflict(str(exc)) from None
+            except Exception as exc:
+                # It may have failed after its commit point: finish or undo it now, so the
+                # directory is entirely old or entirely new before anyone looks.
+                outcome = await asyncio.to_thread(workspace_commit.recover, host)
+                self.records.end_commit(host)
+                raise errors.EngineError(f"commit into {host} failed ({outcome}): "
+                                         f"{type(exc).__name__}: {exc}") from None
+            finally:
+                sb.body.cgroup.freeze("cmds", frozen=False)
+            self.records.end_commit(host)
+            self._workspace_versions[host] = current + 1
+            branch.version, branch.since = current + 1, time.time()
+            return {"workspace": str(host), "changed": done.changed, "bytes": done.bytes,
+                    "version": current + 1}
+        finally:
+            sb.lock.release()
+
+    async def _attach_workspace(self, body: Body, branch: WorkspaceBranch) -> None:
+        """Mount a workspace into a running sandbox: its layers join the sandbox's volume
+        and the REPL attaches the detached overlay at the host path."""
+        self.layers.add_workspace(body.layers, branch)
+        ((tree, path),) = body.layers.mounts()
+        try:
+            await body.channel.call("attach", {"path": path}, fds=[tree])
+        finally:
+            os.close(tree)
