@@ -20,18 +20,17 @@ class WarmPool:
     """Mixed into Engine (uses its config, _spawn and teardown)."""
 
     def _take_warm(self, image: str) -> Live | None:
-        """A pre-started sandbox of ``image`` if one is ready; starts a replacement.
-
-        Starting a family costs two interpreter start-ups (~150 ms here); keeping a
-        few ready makes create a matter of milliseconds. Warm sandboxes are plain
-        defaults and take a request's workspace, env, cwd and memory limit on
-        hand-out.
-        """
+        """A started sandbox of ``image`` if one is ready (and a replacement starts)."""
         pool = self._warm.setdefault(image, [])
         sb = None
         while pool and sb is None:
             candidate = pool.pop()
-            if not candidate.body.channel.closed.is_set():
+            if candidate.body.channel.closed.is_set():  # died while waiting: free it
+                self._retire(candidate.body)
+                task = asyncio.get_running_loop().create_task(candidate.family.family.kill())
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+            else:
                 sb = candidate
         self._refill(image)
         return sb
