@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from branchbox.agent import sysc
 from branchbox.storage import btrfs, images, loopback
 from branchbox.storage.backend import (
     BackendUnavailable,
@@ -344,7 +345,7 @@ def test_a_mount_left_by_a_dead_process_is_adopted_and_released(tmp_path: Path) 
             assert len(loopback.mounts_under(mountpoint, loopback.current_mounts())) == 1
     finally:
         if mounted(mountpoint):
-            loopback.umount(mountpoint)
+            sysc.umount2(str(mountpoint))
     assert not mounted(mountpoint)
     assert loop_devices_of(image) == ""
 
@@ -353,13 +354,13 @@ def test_a_foreign_mount_at_the_store_is_never_adopted(tmp_path: Path) -> None:
     require_loop_btrfs()
     mountpoint = tmp_path / "store"
     mountpoint.mkdir()
-    loopback.mount("tmpfs", mountpoint, "tmpfs")
+    sysc.mount("tmpfs", str(mountpoint), "tmpfs")
     try:
         with pytest.raises(BackendUnavailable, match="already mounted from tmpfs"):
             choose_backend(tmp_path, "btrfs", image_size=SMALL_IMAGE)
         assert mounted(mountpoint)
     finally:
-        loopback.umount(mountpoint)
+        sysc.umount2(str(mountpoint))
 
 
 def test_auto_on_btrfs_uses_subvolumes_in_place(btrfs_store: Store) -> None:

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import pytest
 
-from branchbox.storage import loopback
+from branchbox.agent import sysc
 from branchbox.storage.workspace_commit import (
     FAULT_ENV,
     FAULT_POINTS,
@@ -36,7 +36,6 @@ from branchbox.storage.workspace_commit import (
 )
 
 SHIFT = 1_000_000
-MS_RDONLY = 1
 # Points at which the journal is not yet in place: the commit must vanish.
 BEFORE_COMMIT_POINT = {"stage-created", "staged", "journal-written"}
 
@@ -161,11 +160,11 @@ def kernel_view(layers: list[Path], host: Path, where: Path) -> dict[str, tuple[
     """The manifest of the kernel's overlay of ``layers`` over ``host``."""
     where.mkdir()
     lowerdir = ":".join(str(p) for p in [*layers, host])
-    loopback.mount("overlay", where, "overlay", MS_RDONLY, f"lowerdir={lowerdir}")
+    sysc.mount("overlay", str(where), "overlay", sysc.MS_RDONLY, f"lowerdir={lowerdir}")
     try:
         return manifest(where)
     finally:
-        loopback.umount(where)
+        sysc.umount2(str(where))
 
 
 class Scenario(NamedTuple):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from branchbox.agent import sysc
 from branchbox.storage import loopback
 from branchbox.storage.copyfs import remove_tree
 from branchbox.storage.idmap import UID_BASE, shift_tree
@@ -123,7 +124,7 @@ def _discard_leftovers(image_dir: Path) -> None:
 def _unmount_under(path: Path) -> None:
     """Unmount what debootstrap may have left mounted inside ``path`` (/proc, /sys)."""
     for mountpoint in loopback.mounts_under(path, loopback.current_mounts()):
-        loopback.umount(mountpoint, loopback.MNT_DETACH)
+        sysc.umount2(mountpoint, sysc.MNT_DETACH)
 
 
 def _build(name: str, spec: ImageSpec, image_dir: Path, progress: bool) -> None:

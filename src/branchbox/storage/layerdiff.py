@@ -22,18 +22,7 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-_OPAQUE = "trusted.overlay.opaque"
-
-
-def _is_whiteout(st: os.stat_result) -> bool:
-    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
-
-
-def _is_opaque(path: str) -> bool:
-    try:
-        return os.getxattr(path, _OPAQUE, follow_symlinks=False) == b"y"
-    except OSError:
-        return False
+from branchbox.storage.overlay import is_opaque, is_whiteout
 
 
 def resolve(layers: list[Path], rel: str) -> tuple[str, os.stat_result] | None:
@@ -50,7 +39,7 @@ def resolve(layers: list[Path], rel: str) -> tuple[str, os.stat_result] | None:
                 break
             if not stat.S_ISDIR(st.st_mode):
                 return None  # a whiteout or a file replaces a directory on our path
-            if _is_opaque(ancestor):
+            if is_opaque(ancestor):
                 hidden_below = True
         path = base + "/" + rel
         try:
@@ -59,7 +48,7 @@ def resolve(layers: list[Path], rel: str) -> tuple[str, os.stat_result] | None:
             if hidden_below:
                 return None
             continue
-        return None if _is_whiteout(st) else (path, st)
+        return None if is_whiteout(st) else (path, st)
     return None
 
 
@@ -105,7 +94,7 @@ def _replaces(layer: Path, prefix: str) -> bool:
             st = os.lstat(path)
         except FileNotFoundError:
             return False
-        if not stat.S_ISDIR(st.st_mode) or _is_opaque(path):
+        if not stat.S_ISDIR(st.st_mode) or is_opaque(path):
             return True
     return False
 
@@ -121,7 +110,7 @@ def _candidates(unshared: list[Path], others: list[list[Path]], prefix: str) -> 
         for sub, st in _walk(top):
             rel = _join(prefix, sub)
             if stat.S_ISDIR(st.st_mode):
-                if _is_opaque(f"{top}/{sub}"):
+                if is_opaque(f"{top}/{sub}"):
                     found.add(rel)  # it may replace a file of the same name
                     for stack in others:
                         found |= _view_files(stack, rel)

@@ -8,7 +8,6 @@ device number to remember and none left over after a crash between steps.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import os
@@ -22,12 +21,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
+from branchbox.agent import sysc
+
 LOOP_CONTROL = "/dev/loop-control"
 LOOP_CTL_GET_FREE = 0x4C82
 LOOP_CONFIGURE = 0x4C0A
 LO_FLAGS_AUTOCLEAR = 4
 LO_FLAGS_DIRECT_IO = 16
-MNT_DETACH = 2
 
 # struct loop_config {u32 fd; u32 block_size; struct loop_info64 info; u64 reserved[8]}
 # is 304 bytes; within it, info.lo_flags sits at 8 + 52 and info.lo_file_name
@@ -42,17 +42,6 @@ _BTRFS_MAGIC = b"_BHRfS_M"
 _BTRFS_MAGIC_AT = 0x10040
 
 _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mount.argtypes = [
-    ctypes.c_char_p,
-    ctypes.c_char_p,
-    ctypes.c_char_p,
-    ctypes.c_ulong,
-    ctypes.c_char_p,
-]
-_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
-
 
 class Mount(NamedTuple):
     """One line of /proc/self/mountinfo, the fields this module needs."""
@@ -152,27 +141,6 @@ def _loop_configure(loop_fd: int, config: bytearray) -> None:
         fcntl.ioctl(loop_fd, LOOP_CONFIGURE, config)
 
 
-def mount(source: str, target: Path, fstype: str, flags: int = 0, data: str | None = None) -> None:
-    """mount(2); errors as OSError naming ``target``."""
-    rc = _libc.mount(
-        os.fsencode(source),
-        os.fsencode(target),
-        fstype.encode(),
-        flags,
-        data.encode() if data is not None else None,
-    )
-    if rc != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), os.fspath(target))
-
-
-def umount(target: Path | str, flags: int = 0) -> None:
-    """umount2(2); errors as OSError naming ``target``."""
-    if _libc.umount2(os.fsencode(target), flags) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), os.fspath(target))
-
-
 def parse_mountinfo(text: str) -> list[Mount]:
     """Mounts listed in mountinfo ``text``, in mount order (later mounts stack on top)."""
     mounts = []
@@ -212,7 +180,7 @@ def mounts_under(path: Path, mounts: list[Mount]) -> list[str]:
 def mount_image(image: Path, target: Path, fstype: str, data: str | None = None) -> str:
     """Attach ``image`` to a loop device and mount it at ``target``; return the device."""
     with attached(image) as device:
-        mount(device, target, fstype, 0, data)
+        sysc.mount(device, str(target), fstype, 0, data)
     return device
 
 
@@ -224,11 +192,11 @@ def unmount_image(target: Path, device: str, timeout: float = 5.0) -> bool:
     gone within ``timeout`` seconds.
     """
     try:
-        umount(target)
+        sysc.umount2(str(target))
     except OSError as exc:
         if exc.errno != errno.EBUSY:
             raise
-        umount(target, MNT_DETACH)
+        sysc.umount2(str(target), sysc.MNT_DETACH)
     deadline = time.monotonic() + timeout
     while backing_file(device) is not None:
         if time.monotonic() > deadline:

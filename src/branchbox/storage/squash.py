@@ -22,14 +22,15 @@ import shutil
 import stat
 from pathlib import Path
 
+from branchbox.storage.overlay import OPAQUE, is_opaque
+
 _FICLONE = 0x40049409
-_OPAQUE = "trusted.overlay.opaque"
 
 
 def _xattrs(src: str, dst: str) -> None:
     with contextlib.suppress(OSError):
         for name in os.listxattr(src, follow_symlinks=False):
-            if name.startswith("trusted.overlay.") and name != _OPAQUE:
+            if name.startswith("trusted.overlay.") and name != OPAQUE:
                 continue  # origin/impure/redirect refer to the layer the file came from
             os.setxattr(dst, name, os.getxattr(src, name, follow_symlinks=False),
                         follow_symlinks=False)
@@ -93,9 +94,7 @@ def apply_layer(src: str, dst: str) -> None:
         st = entry.stat(follow_symlinks=False)
         target = os.path.join(dst, entry.name)
         if stat.S_ISDIR(st.st_mode):
-            opaque = False
-            with contextlib.suppress(OSError):
-                opaque = os.getxattr(entry.path, _OPAQUE, follow_symlinks=False) == b"y"
+            opaque = is_opaque(entry.path)
             existing = os.path.isdir(target) and not os.path.islink(target)
             if opaque or not existing:
                 _remove(target)

@@ -58,6 +58,7 @@ from typing import NamedTuple
 
 from branchbox.storage import journal
 from branchbox.storage.journal import FAULT_ENV, FAULT_POINTS, Step, recover
+from branchbox.storage.overlay import is_opaque, is_whiteout
 
 __all__ = [
     "FAULT_ENV",
@@ -72,7 +73,6 @@ __all__ = [
     "recover",
 ]
 
-_OPAQUE = "trusted.overlay.opaque"
 
 
 class WorkspaceConflict(RuntimeError):
@@ -125,17 +125,6 @@ class CommitResult(NamedTuple):
     bytes: int
 
 
-def _is_whiteout(st: os.stat_result) -> bool:
-    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
-
-
-def _is_opaque(path: str) -> bool:
-    try:
-        return os.getxattr(path, _OPAQUE, follow_symlinks=False) == b"y"
-    except OSError:
-        return False
-
-
 def _listing(directory: str) -> dict[str, os.stat_result]:
     with os.scandir(directory) as entries:
         return {e.name: e.stat(follow_symlinks=False) for e in entries}
@@ -151,7 +140,7 @@ def changes(layers: list[Path]) -> Changes:
     the host's entry is hidden and is deleted before the "dir" is created.
     """
     tops = [os.fspath(layer) for layer in layers]
-    if any(_is_opaque(top) for top in tops):
+    if any(is_opaque(top) for top in tops):
         raise ValueError("an opaque layer root would hide the whole host directory")
     deletions: list[Op] = []
     creations: list[Op] = []
@@ -164,11 +153,11 @@ def changes(layers: list[Path]) -> Changes:
             path = f"{rel}/{name}" if rel else name
             depth = next(i for i, listing in enumerate(listings) if name in listing)
             st, source = listings[depth][name], f"{stack[depth]}/{path}"
-            if _is_whiteout(st):
+            if is_whiteout(st):
                 if not hidden:
                     deletions.append(Op("delete", path))
             elif stat.S_ISDIR(st.st_mode):
-                below, hides = [stack[depth]], _is_opaque(source)
+                below, hides = [stack[depth]], is_opaque(source)
                 for top, listing in zip(stack[depth + 1 :], listings[depth + 1 :], strict=True):
                     if hides:
                         break
@@ -179,7 +168,7 @@ def changes(layers: list[Path]) -> Changes:
                         hides = True  # a lower whiteout or non-directory ends the merge
                         break
                     below.append(top)
-                    hides = _is_opaque(f"{top}/{path}")
+                    hides = is_opaque(f"{top}/{path}")
                 if hides and not hidden:
                     deletions.append(Op("delete", path))
                 creations.append(Op("dir", path, source, stat.S_IMODE(st.st_mode)))
