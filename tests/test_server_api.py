@@ -6,6 +6,7 @@ image, which is built on first use (a few minutes, once per machine).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -439,3 +440,19 @@ async def test_fork_diff_merge(client: httpx.AsyncClient) -> None:
                  "StaleBranchError")
     for sid in (loser, parent):
         assert (await client.delete(f"/v1/sandboxes/{sid}")).status_code == 204
+
+
+async def test_fork_of_a_busy_sandbox_is_409_after_the_bounded_wait(
+        client: httpx.AsyncClient, engine: Engine, sandbox: str) -> None:
+    """API.md's 409 for "busy": a fork waits for the REPL's running call, then gives up."""
+    engine.config.busy_wait = 0.3
+    try:
+        running = asyncio.ensure_future(
+            client.post(f"/v1/sandboxes/{sandbox}/run_code",
+                        json={"code": "import time; time.sleep(1.5)"}))
+        await asyncio.sleep(0.3)  # the run holds the REPL now
+        reply = await client.post(f"/v1/sandboxes/{sandbox}/fork", json={"n": 1})
+        assert "busy" in assert_error(reply, 409, "Conflict")
+        assert (await running).status_code == 200
+    finally:
+        engine.config.busy_wait = 30.0
