@@ -24,12 +24,10 @@ from .files import (
 )
 from .forking import (
     command_spawning,
-    handle_attach,
-    handle_configure,
     handle_fork,
     handle_fork_slot,
-    handle_sethostname,
 )
+from .handover import handle_attach, handle_configure, handle_sethostname
 from .repl import Repl
 from .server import Agent, handle_ping
 

@@ -1,0 +1,39 @@
+"""Ops the daemon sends when it hands a running REPL a new identity or request.
+
+merge_into gives the winner's body the parent's id (hostname); the warm pool
+hands a started sandbox to a create request (its env, cwd and workspace mount).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from . import sysc
+
+
+def handle_sethostname(agent, req: dict, payload: bytes, fds: list[int]) -> None:
+    """After merge_into the body answers to the parent's id: take its hostname too."""
+    socket.sethostname(req["hostname"])
+    os.environ["HOSTNAME"] = req["hostname"]
+    agent.done(req["rid"], {})
+
+
+def handle_configure(agent, req: dict, payload: bytes, fds: list[int]) -> None:
+    """A warm sandbox handed out to a create request takes that request's env and cwd."""
+    os.environ.update(req.get("env") or {})
+    cwd = req.get("cwd") or "/root"
+    os.makedirs(cwd, exist_ok=True)
+    os.chdir(cwd)
+    agent.done(req["rid"], {})
+
+
+def handle_attach(agent, req: dict, payload: bytes, fds: list[int]) -> None:
+    """Attach a detached mount the daemon built (a workspace) at ``path`` in this sandbox."""
+    (tree,) = fds
+    try:
+        os.makedirs(req["path"], exist_ok=True)
+        sysc.move_mount_fd(tree, req["path"])
+    finally:
+        os.close(tree)
+    agent.done(req["rid"], {})
