@@ -28,25 +28,42 @@ _AGENT_SOURCE = Path(__file__).resolve().parent.parent / "agent"
 
 def overlay_tree(upper: Path, work: Path, lowers: list[Path | int]) -> int:
     """A detached overlay mount (close-on-exec fd); ``lowers`` top first, each a
-    directory or the fd of a (detached) mount."""
+    directory or the fd of a (detached) mount.
+
+    No host path reaches the mount's options: overlayfs records each layer as the
+    string it was given and shows it in /proc/self/mountinfo, where code in the
+    sandbox would read the data directory, the image cache and every layer's path.
+    So every layer (upperdir and workdir too) goes in as ``/proc/self/fd/N`` of an
+    O_PATH fd, which the kernel resolves at configure time and records verbatim.
+    Handing it the fd itself (FSCONFIG_SET_FD) is no better: the kernel then records
+    the d_path of the fd, i.e. the host path (checked on 6.18).
+    """
     fs = sysc.fsopen("overlay")
+    opened: list[int] = []
+
+    def layer(path: Path | int) -> str:
+        if isinstance(path, int):  # a mount fd: refer to it the same way, by number
+            return f"/proc/self/fd/{path}"
+        fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        opened.append(fd)
+        return f"/proc/self/fd/{fd}"
+
     try:
         for lower in lowers:
-            if isinstance(lower, int):
-                sysc.fsconfig_fd(fs, "lowerdir+", lower)
-            else:
-                sysc.fsconfig(fs, sysc.FSCONFIG_SET_STRING, "lowerdir+", str(lower))
+            sysc.fsconfig(fs, sysc.FSCONFIG_SET_STRING, "lowerdir+", layer(lower))
         # Pinned, not left to the host's module defaults: diff, squash and commit read
         # the layers directly and understand whiteouts and opaque dirs, not metacopy
         # files, redirects or an index.
         for option in ("metacopy", "redirect_dir", "index"):
             sysc.fsconfig(fs, sysc.FSCONFIG_SET_STRING, option, "off")
-        sysc.fsconfig(fs, sysc.FSCONFIG_SET_STRING, "upperdir", str(upper))
-        sysc.fsconfig(fs, sysc.FSCONFIG_SET_STRING, "workdir", str(work))
+        sysc.fsconfig(fs, sysc.FSCONFIG_SET_STRING, "upperdir", layer(upper))
+        sysc.fsconfig(fs, sysc.FSCONFIG_SET_STRING, "workdir", layer(work))
         sysc.fsconfig(fs, sysc.FSCONFIG_CMD_CREATE)
         return sysc.fsmount(fs, _MOUNT_ATTR_NODEV)
     finally:
         os.close(fs)
+        for fd in opened:  # the mount holds its own references to the layers
+            os.close(fd)
 
 
 def prepare_agent_layer(dest: Path) -> Path:
