@@ -172,3 +172,30 @@ def set_process_name(name: str) -> None:
     """Name shown by ps/top (comm), so host operators can tell the parts apart."""
     buf = ctypes.create_string_buffer(name.encode()[:15])
     _libc.prctl(ctypes.c_int(PR_SET_NAME), buf, 0, 0, 0)
+
+
+# openat2(2): path resolution the caller constrains (linux/openat2.h).
+_SYS_OPENAT2 = 437
+RESOLVE_NO_XDEV = 0x01
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_NO_SYMLINKS = 0x04
+RESOLVE_BENEATH = 0x08
+_OPEN_HOW = struct.Struct("=QQQ")  # struct open_how {u64 flags; u64 mode; u64 resolve}
+
+
+def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = 0) -> int:
+    """openat2(2): open ``path`` relative to ``dirfd`` under the ``resolve`` constraints.
+
+    The daemon reads trees a sandbox wrote; plain ``open`` follows symlinks in
+    every component but the last, ``RESOLVE_NO_SYMLINKS | RESOLVE_BENEATH``
+    follows none and never leaves ``dirfd``. ENOSYS on kernels before 5.6.
+    """
+    how = ctypes.create_string_buffer(_OPEN_HOW.pack(flags, mode, resolve), _OPEN_HOW.size)
+    ret = _libc.syscall(
+        ctypes.c_long(_SYS_OPENAT2),
+        ctypes.c_int(dirfd),
+        _b(path),
+        how,
+        ctypes.c_size_t(_OPEN_HOW.size),
+    )
+    return _check(ret, "openat2", path)
