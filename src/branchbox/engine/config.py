@@ -11,6 +11,13 @@ DEFAULT_DATA_DIR = Path("/var/lib/branchbox")
 DEFAULT_IMAGE_CACHE = Path("/var/cache/branchbox/images")
 
 
+# Default disk limit of a sandbox's writable layer, MiB (``BRANCHBOX_DISK_MB``; 0 turns
+# the default off, a request's disk_mb still applies). 10 GiB: far above what an agent's
+# scratch work needs, far below a store, so one runaway sandbox cannot fill the store
+# for every family. A fork child inherits its parent's limit.
+DEFAULT_DISK_MB = 10240
+
+
 def _env_path(name: str, default: Path) -> Path:
     value = os.environ.get(name)
     return Path(value) if value else default
@@ -27,6 +34,9 @@ class EngineConfig:
     )
     max_fork: int = field(default_factory=lambda: int(os.environ.get("BRANCHBOX_MAX_FORK", "32")))
     memory_mb: int = 4096
+    disk_mb: int = field(
+        default_factory=lambda: int(os.environ.get("BRANCHBOX_DISK_MB", str(DEFAULT_DISK_MB)))
+    )
     pids_max: int = 1024
     busy_wait: float = 30.0  # how long a fork waits for a busy REPL before 409
     spawn_timeout: float = 60.0

@@ -5,6 +5,10 @@ A sandbox body (an *instance*) owns one writable volume (``upper/`` +
 relatives. A frozen layer is a
 read-only snapshot of a parent's writable volume taken at fork time; every
 instance stacked on it holds a reference, and the last one to go deletes it.
+
+Each writable volume may carry a disk limit (bytes, enforced by the store's
+kernel quota). A frozen layer remembers the limit of the volume it was frozen
+from, so a stack built on it (a fork child) inherits its parent's limit.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -23,6 +28,7 @@ from branchbox.storage import squash
 class FrozenLayer:
     path: Path  # the snapshot volume; its upper/ is the overlay lower dir
     refs: int = 0
+    disk_bytes: int | None = None  # the limit of the volume it was frozen from
 
     @property
     def lowerdir(self) -> Path:
@@ -57,6 +63,7 @@ class LayerStack:
     frozen: list[FrozenLayer] = field(default_factory=list)
     base: list[Path] = field(default_factory=list)  # agent layer over the image
     workspace: WorkspaceBranch | None = None
+    disk_bytes: int | None = None  # what ``volume`` may hold; None: unbounded
 
     def lowers(self) -> list[Path]:
         return [layer.lowerdir for layer in self.frozen] + self.base
@@ -84,31 +91,60 @@ class LayerStack:
 
 
 class Layers:
-    """Creates, snapshots and frees volumes through one snapshot backend."""
+    """Creates, snapshots and frees volumes through one snapshot backend.
 
-    def __init__(self, backend, root: Path) -> None:
+    ``set_limit(volume, bytes)`` bounds a volume in the kernel (the store's quota;
+    None when the store has none); ``disk_bytes`` is the limit of a new stack that
+    neither asks for one nor inherits one (None: unbounded).
+    """
+
+    def __init__(self, backend, root: Path, *,
+                 set_limit: Callable[[Path, int | None], None] | None = None,
+                 disk_bytes: int | None = None) -> None:
         self.backend = backend
         self.root = root
+        self.set_limit = set_limit
+        self.disk_bytes = disk_bytes if set_limit is not None else None
         root.mkdir(parents=True, exist_ok=True)
 
     def _new_path(self, prefix: str) -> Path:
         return self.root / f"{prefix}-{secrets.token_hex(8)}"
 
     def new_stack(self, frozen: list[FrozenLayer], base: list[Path],
-                  workspace: WorkspaceBranch | None = None) -> LayerStack:
+                  workspace: WorkspaceBranch | None = None, *,
+                  disk_bytes: int | None = None) -> LayerStack:
+        """A new writable volume over ``frozen`` and ``base``, bounded to ``disk_bytes``
+        if given, else to the limit of the sandbox the top frozen layer came from (fork
+        inherits), else to the default.
+
+        The limit is set before anything is written to the volume, and before the
+        sandbox runs: a volume is never unbounded while hostile code can reach it.
+        """
         volume = self._new_path("w")
+        if disk_bytes is None:
+            disk_bytes = frozen[0].disk_bytes if frozen else self.disk_bytes
         self.backend.create_volume(volume)
         try:
+            if disk_bytes is not None and self.set_limit is not None:
+                self.set_limit(volume, disk_bytes)
             rootfs.prepare_writable(volume, workspace.lower.host if workspace else None)
         except BaseException:
             self.backend.delete(volume)
             raise
         for layer in frozen:
             layer.refs += 1
-        stack = LayerStack(volume, list(frozen), list(base))
+        stack = LayerStack(volume, list(frozen), list(base), disk_bytes=disk_bytes)
         if workspace is not None:
             self._join(stack, workspace)
         return stack
+
+    def limit(self, stack: LayerStack, disk_bytes: int | None) -> None:
+        """Change what ``stack``'s volume may hold (a warm sandbox handed out with a
+        request's disk_mb); bytes already there stay, further writes fail past it."""
+        if self.set_limit is None:
+            raise ValueError("this store has no disk limits")
+        self.set_limit(stack.volume, disk_bytes)
+        stack.disk_bytes = disk_bytes
 
     def add_workspace(self, stack: LayerStack, workspace: WorkspaceBranch) -> None:
         """Give a running sandbox's stack (a warm one) a workspace after the fact."""
@@ -124,13 +160,13 @@ class Layers:
         """Capture ``stack``'s writable volume as a new frozen layer (O(1) on btrfs)."""
         path = self._new_path("f")
         self.backend.snapshot(stack.volume, path, readonly=True)
-        return FrozenLayer(path)
+        return FrozenLayer(path, disk_bytes=stack.disk_bytes)
 
     def squash(self, layers: list[FrozenLayer]) -> FrozenLayer:
         """One frozen layer equal to ``layers`` (top first) stacked: bounds the chain."""
         path = self._new_path("s")
         squash.squash(self.backend, [layer.path for layer in layers], path)
-        return FrozenLayer(path)
+        return FrozenLayer(path, disk_bytes=layers[0].disk_bytes)
 
     def release(self, stack: LayerStack) -> None:
         """Delete the writable volume and drop references to frozen layers."""

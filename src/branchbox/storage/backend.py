@@ -4,6 +4,10 @@ Layers are "volumes": directories the engine creates, snapshots and deletes.
 On btrfs a snapshot is O(1) whatever the size; elsewhere it is a full copy.
 ``choose_backend`` prefers btrfs even on hosts without it, by keeping the
 store in a loop-mounted btrfs image file inside the data directory.
+
+A store may also bound each volume's size in the kernel (``Store.quota``): on
+a btrfs store the daemon owns, with btrfs simple quotas, so one sandbox that
+fills its volume gets EDQUOT while every other sandbox keeps writing.
 """
 
 from __future__ import annotations
@@ -25,6 +29,17 @@ log = logging.getLogger(__name__)
 
 KINDS = ("auto", "btrfs", "copy")
 DEFAULT_IMAGE_SIZE = 64 << 30  # apparent size; the file is sparse and grows as used
+# A new image is at most this share of the host's free space, so the sparse file
+# cannot promise sandboxes more than the host has (issue 16: a store that outgrows the
+# host aborts its btrfs transaction and goes read-only for everyone).
+IMAGE_SHARE_OF_FREE = 0.9
+MIN_IMAGE_SIZE = 256 << 20  # below this mkfs.btrfs and a few sandboxes do not fit
+
+COPY_NO_QUOTA = (
+    "the copy storage backend cannot enforce disk_mb: its volumes are plain directories, "
+    "which no kernel quota bounds; run the daemon with the btrfs backend "
+    "(BRANCHBOX_STORAGE=btrfs, the default where a btrfs image can be loop-mounted)"
+)
 
 
 class SnapshotBackend(Protocol):
@@ -51,6 +66,10 @@ class BackendUnavailable(RuntimeError):
 
 class StoreBusy(RuntimeError):
     """Another Store (in this or another process) has this data directory's image mounted."""
+
+
+class QuotaUnsupported(RuntimeError):
+    """This store cannot bound a volume's size; the message says why and what would."""
 
 
 class BtrfsBackend:
@@ -91,7 +110,26 @@ class Store:
 
     backend: SnapshotBackend
     root: Path
+    # How volume sizes are bounded in the kernel ("btrfs simple quotas"...), or None
+    # with ``no_quota`` saying why not.
+    quota: str | None = None
+    no_quota: str = ""
     _teardown: list[Callable[[], None]] = field(default_factory=list, init=False, repr=False)
+
+    def set_limit(self, volume: Path, max_bytes: int | None) -> None:
+        """Bound what ``volume`` may hold to ``max_bytes`` (None: unbounded).
+
+        Writes past it fail with EDQUOT inside that volume only. Raises
+        QuotaUnsupported on a store without quotas.
+        """
+        if self.quota is None:
+            raise QuotaUnsupported(self.no_quota)
+        btrfs.set_limit(volume, max_bytes)
+
+    def capacity(self) -> int:
+        """Bytes the store's filesystem holds in all (no limit above it means anything)."""
+        st = os.statvfs(self.root)
+        return st.f_blocks * st.f_frsize
 
     def close(self) -> None:
         while self._teardown:
@@ -118,7 +156,8 @@ def choose_backend(
     - ``"btrfs"``: subvolumes under ``data_dir/volumes`` if ``data_dir`` is on
       btrfs; otherwise under ``data_dir/store/volumes``, where ``store`` is
       the btrfs image ``data_dir/store.img`` (created sparse, ``image_size``
-      bytes, on first use; reused after) loop-mounted. Raises
+      bytes but at most 90% of the host's free space, on first use; reused
+      after) loop-mounted, with simple quotas on. Raises
       BackendUnavailable, saying what is missing, when neither works.
     - ``"auto"``: ``"btrfs"`` if possible, else ``"copy"`` with a warning.
 
@@ -131,9 +170,9 @@ def choose_backend(
     data_dir = Path(data_dir).absolute()
     data_dir.mkdir(parents=True, exist_ok=True)
     if kind == "copy":
-        return _store(CopyBackend(), data_dir / "volumes")
+        return _copy_store(data_dir)
     if btrfs.is_btrfs(data_dir):
-        return _store(BtrfsBackend(), data_dir / "volumes")
+        return _host_btrfs_store(data_dir)
     try:
         return _loopback_store(data_dir, image_size)
     except BackendUnavailable as exc:
@@ -145,12 +184,56 @@ def choose_backend(
             data_dir,
             exc,
         )
-        return _store(CopyBackend(), data_dir / "volumes")
+        return _copy_store(data_dir)
 
 
 def _store(backend: SnapshotBackend, root: Path) -> Store:
     root.mkdir(exist_ok=True)
     return Store(backend, root)
+
+
+def _copy_store(data_dir: Path) -> Store:
+    """Plain directories: no per-volume limit (a project quota would need an XFS or
+    ext4 filesystem mounted with prjquota, which the data directory's is not known to be;
+    a loop image per volume would cost a mkfs and a mount per sandbox and fork)."""
+    store = _store(CopyBackend(), data_dir / "volumes")
+    store.no_quota = COPY_NO_QUOTA
+    return store
+
+
+def _host_btrfs_store(data_dir: Path) -> Store:
+    """Subvolumes on the host's own btrfs. Quotas are used if the host already runs
+    them; they are not turned on here: simple quotas set an incompat bit, and full
+    qgroups slow every snapshot on the host's filesystem, neither ours to decide."""
+    store = _store(BtrfsBackend(), data_dir / "volumes")
+    mode = btrfs.quota_mode(data_dir)
+    if mode in ("simple", "qgroup"):
+        store.quota = f"btrfs {mode} quotas"
+    else:
+        store.no_quota = (
+            f"the store is on the host's btrfs at {data_dir}, where quotas are off, and "
+            "branchbox does not turn them on for a filesystem it does not own; "
+            f"`btrfs quota enable --simple {data_dir}` (kernel 6.7+) makes disk_mb work"
+        )
+    return store
+
+
+def bounded_image_size(data_dir: Path, wanted: int) -> int:
+    """``wanted`` bytes, or less: at most IMAGE_SHARE_OF_FREE of the free space of the
+    host filesystem holding ``data_dir``. Raises BackendUnavailable below MIN_IMAGE_SIZE."""
+    st = os.statvfs(data_dir)
+    free = st.f_bavail * st.f_frsize
+    size = min(wanted, int(free * IMAGE_SHARE_OF_FREE)) >> 20 << 20
+    if size < MIN_IMAGE_SIZE:
+        raise BackendUnavailable(
+            f"only {free >> 20} MiB free under {data_dir}: a btrfs store needs at least "
+            f"{MIN_IMAGE_SIZE >> 20} MiB"
+        )
+    log.info(
+        "creating the btrfs store image in %s: %d MiB (asked %d MiB; the host has %d MiB free)",
+        data_dir, size >> 20, wanted >> 20, free >> 20,
+    )
+    return size
 
 
 def _loopback_store(data_dir: Path, image_size: int) -> Store:
@@ -169,7 +252,7 @@ def _loopback_store(data_dir: Path, image_size: int) -> Store:
             raise StoreBusy(f"{image} is in use by another branchbox store") from None
         if os.fstat(lock_fd).st_size == 0:
             created = True
-            os.ftruncate(lock_fd, image_size)
+            os.ftruncate(lock_fd, bounded_image_size(data_dir, image_size))
         mountpoint.mkdir(exist_ok=True)
         device = _mount_store(image, mountpoint)
     except BaseException:
@@ -182,10 +265,30 @@ def _loopback_store(data_dir: Path, image_size: int) -> Store:
     store._teardown.append(lambda: _unmount_store(mountpoint, device))
     try:
         store.root.mkdir(exist_ok=True)
+        _enable_quota(store, mountpoint)
     except BaseException:
         store.close()
         raise
     return store
+
+
+def _enable_quota(store: Store, mountpoint: Path) -> None:
+    """Simple quotas on the daemon's own image (idempotent: an adopted mount has them).
+
+    A kernel without them (before 6.7) leaves the store without limits, said in
+    ``no_quota``: full qgroups would work there but make every fork's snapshot
+    several times slower, which is the hot path.
+    """
+    try:
+        btrfs.enable_simple_quota(mountpoint)
+    except OSError as exc:
+        store.no_quota = (
+            f"this kernel cannot turn on btrfs simple quotas ({exc.strerror}); "
+            "disk limits need Linux 6.7 or later"
+        )
+        log.warning("btrfs store without per-sandbox disk limits: %s", store.no_quota)
+        return
+    store.quota = "btrfs simple quotas"
 
 
 def _mount_store(image: Path, mountpoint: Path) -> str:

@@ -29,12 +29,29 @@ BTRFS_IOC_SUBVOL_GETFLAGS = 0x80089419  # _IOR(0x94, 25, __u64)
 BTRFS_IOC_SUBVOL_SETFLAGS = 0x4008941A  # _IOW(0x94, 26, __u64)
 BTRFS_SUBVOL_RDONLY = 1 << 1
 
+# Quotas. QUOTA_CTL takes {u64 cmd; u64 status}; QGROUP_LIMIT takes {u64 qgroupid;
+# struct btrfs_qgroup_limit {u64 flags, max_rfer, max_excl, rsv_rfer, rsv_excl}}, and
+# qgroupid 0 means "the subvolume this fd is in". ENABLE_SIMPLE_QUOTA (kernel 6.7+) is
+# newer than Debian 12's headers: its value is from the kernel's include/uapi/linux/btrfs.h.
+BTRFS_IOC_QUOTA_CTL = 0xC0109428  # _IOWR(0x94, 40, struct btrfs_ioctl_quota_ctl_args)
+BTRFS_IOC_QGROUP_LIMIT = 0x8030942B  # _IOR(0x94, 43, struct btrfs_ioctl_qgroup_limit_args)
+BTRFS_QUOTA_CTL_ENABLE = 1
+BTRFS_QUOTA_CTL_ENABLE_SIMPLE_QUOTA = 4
+BTRFS_QGROUP_LIMIT_MAX_EXCL = 1 << 1
+_QUOTA_CTL = struct.Struct("=QQ")
+_QGROUP_LIMIT = struct.Struct("=QQQQQQ")
+_CLEAR_LIMIT = (1 << 64) - 1
+
 # Both argument structs are 4096 bytes. v1: {s64 fd; char name[4088]}.
 # v2: {s64 fd; u64 transid; u64 flags; u64 unused[4]; char name[4040]}.
 _ARGS_SIZE = 4096
 _V1_NAME_AT = 8
 _V2_NAME_AT = 56
 _V2_HEAD = struct.Struct("=qQQ")
+# struct btrfs_ioctl_fs_info_args is 1024 bytes: {u64 max_id; u64 num_devices; u8 fsid[16]...}
+BTRFS_IOC_FS_INFO = 0x8400941F  # _IOR(0x94, 31, struct btrfs_ioctl_fs_info_args)
+_FS_INFO_SIZE = 1024
+_FS_INFO_FSID_AT = 16
 
 # The root directory of every subvolume has this inode number; a plain
 # directory never does. It is how `btrfs subvolume show` tells them apart too.
@@ -127,6 +144,73 @@ def set_readonly(path: Path | str, readonly: bool) -> None:
             _ioctl(fd, BTRFS_IOC_SUBVOL_SETFLAGS, bytearray(struct.pack("=Q", wanted)), path)
     finally:
         os.close(fd)
+
+
+def enable_simple_quota(path: Path | str) -> None:
+    """Turn on btrfs *simple quotas* (squota) for the filesystem holding ``path``.
+
+    Why simple and not full qgroups: full accounting walks back-references of every
+    changed extent at each transaction commit and accounts each snapshot in its own
+    commit; measured here a read-only snapshot of a live volume went from ~5 ms to
+    ~35 ms with it. Squota charges an extent to the subvolume that allocated it, for
+    as long as anything references it, with no back-reference walks: a snapshot
+    costs what it did without quotas. That ownership rule is also the right one for
+    hostile code: data a sandbox wrote stays charged to it while a fork snapshot pins
+    it, so forking cannot be used to hide bytes from the limit; and a fork child's
+    fresh volume owns nothing it shares with its parent, so it can write up to its
+    own limit whatever it inherited.
+
+    Enabling sets an incompat feature bit on the filesystem (kernels before 6.7
+    cannot mount it afterwards), so call this only on a filesystem the daemon owns.
+    A no-op when quotas (either mode) are already on. Raises OSError (EINVAL from a
+    kernel without squota).
+    """
+    fd = _open_dir(path)
+    try:
+        args = bytearray(_QUOTA_CTL.pack(BTRFS_QUOTA_CTL_ENABLE_SIMPLE_QUOTA, 0))
+        _ioctl(fd, BTRFS_IOC_QUOTA_CTL, args, path)
+    finally:
+        os.close(fd)
+
+
+def set_limit(path: Path | str, max_bytes: int | None) -> None:
+    """Limit the bytes subvolume ``path`` may hold (None: no limit); quotas must be on.
+
+    The limit is on *exclusive* bytes: with simple quotas these equal the referenced
+    bytes the subvolume allocated; with full qgroups (a host filesystem that already
+    runs them) exclusive is what a fork child must be bounded by, since its volume
+    may reference its parent's extents (overlayfs copies up by reflink) without
+    owning them. Writes past the limit fail with EDQUOT in that subvolume only.
+    """
+    # A flag with the value (u64)-1 clears that limit; a flag left out leaves it as it was.
+    value = _CLEAR_LIMIT if max_bytes is None else max_bytes
+    args = bytearray(_QGROUP_LIMIT.pack(0, BTRFS_QGROUP_LIMIT_MAX_EXCL, 0, value, 0, 0))
+    fd = _open_dir(path)
+    try:
+        _ioctl(fd, BTRFS_IOC_QGROUP_LIMIT, args, path)
+    finally:
+        os.close(fd)
+
+
+def quota_mode(path: Path | str) -> str:
+    """"simple", "qgroup" or "disabled": the quota mode of the filesystem holding ``path``.
+
+    Read from sysfs (``/sys/fs/btrfs/<fsid>/qgroups/mode``, kernel 6.7+); the fsid
+    comes from BTRFS_IOC_FS_INFO. "disabled" also when sysfs does not say.
+    """
+    fd = _open_dir(path)
+    try:
+        info = bytearray(_FS_INFO_SIZE)
+        _ioctl(fd, BTRFS_IOC_FS_INFO, info, path)
+    finally:
+        os.close(fd)
+    fsid = info[_FS_INFO_FSID_AT : _FS_INFO_FSID_AT + 16].hex()
+    uuid = f"{fsid[:8]}-{fsid[8:12]}-{fsid[12:16]}-{fsid[16:20]}-{fsid[20:]}"
+    try:
+        with open(f"/sys/fs/btrfs/{uuid}/qgroups/mode") as f:
+            return f.read().strip()
+    except OSError:
+        return "disabled"
 
 
 def nested_subvolumes(path: Path | str) -> list[str]:
