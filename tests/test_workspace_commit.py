@@ -266,9 +266,12 @@ def test_commit_produces_the_kernels_merged_view(scenario: Scenario) -> None:
         for path, entry in scenario.new.items()
         if path in result.changed and entry[0] == "file"
     )
-    assert (scenario.host / "tool").stat().st_uid == 7  # shifted back
+    # The sandbox never picks a host owner: new entries take the workspace dir's,
+    # replacements the replaced entry's.
+    assert (scenario.host / "tool").stat().st_uid == 0  # new; the sandbox said SHIFT + 7
     assert (scenario.host / "cfg/c.ini").stat().st_uid == 0
-    assert (scenario.host / "src/util.py").stat().st_uid == 1000  # a host id, kept
+    assert (scenario.host / "src/util.py").stat().st_uid == 1000  # replaced: the host's owner
+    assert (result.stripped, result.refused) == ([], [])
     assert leftovers(scenario.host) == []
     assert recover(scenario.host) == "clean"
 

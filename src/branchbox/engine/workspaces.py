@@ -9,8 +9,12 @@ keeps first-commit-wins among branches of the same directory.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import secrets
+import stat
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from branchbox.engine import errors
@@ -21,7 +25,6 @@ from branchbox.engine.layers import (
 from branchbox.engine.live import Body
 from branchbox.runtime import rootfs
 from branchbox.storage import workspace_commit
-from branchbox.storage.idmap import UID_BASE
 
 
 class Workspaces:
@@ -64,12 +67,11 @@ class Workspaces:
                 raise errors.StaleBranch(
                     f"{host} changed since sandbox {sandbox_id} branched from it: another "
                     "sandbox committed first (first commit wins)")
-            layers = sb.body.layers.workspace_dirs()
-            sb.body.cgroup.freeze("cmds")  # no command writes while the delta is read
             self.records.begin_commit(host)
             try:
-                done = await asyncio.to_thread(workspace_commit.commit, layers, host,
-                                               since=branch.since, uid_shift=UID_BASE)
+                async with self._frozen_workspace(sb.body) as layers:
+                    done = await asyncio.to_thread(workspace_commit.commit, layers, host,
+                                                   since=branch.since)
             except workspace_commit.WorkspaceConflict as exc:  # refused before any change
                 self.records.end_commit(host)
                 raise errors.Conflict(str(exc)) from None
@@ -80,15 +82,50 @@ class Workspaces:
                 self.records.end_commit(host)
                 raise errors.EngineError(f"commit into {host} failed ({outcome}): "
                                          f"{type(exc).__name__}: {exc}") from None
-            finally:
-                sb.body.cgroup.freeze("cmds", frozen=False)
             self.records.end_commit(host)
             self._workspace_versions[host] = current + 1
             branch.version, branch.since = current + 1, time.time()
-            return {"workspace": str(host), "changed": done.changed, "bytes": done.bytes,
-                    "version": current + 1}
+            return {
+                "workspace": str(host), "changed": done.changed, "bytes": done.bytes,
+                "version": current + 1,
+                "stripped": [{"path": s.path, "bits": _bit_names(s.bits)} for s in done.stripped],
+                "refused": [{"path": r.path, "kind": r.kind} for r in done.refused],
+            }
         finally:
             sb.lock.release()
+
+    @contextlib.asynccontextmanager
+    async def _frozen_workspace(self, body: Body) -> AsyncIterator[list[Path]]:
+        """The workspace's layer directories (top first) as one instant no sandbox process
+        can change while commit reads them.
+
+        The whole sandbox is frozen (the REPL and its threads too, not only the commands
+        leaf), so the instant is consistent. On btrfs the writable volume is then
+        snapshotted read-only (O(1)) and the sandbox thawed at once; commit reads the
+        snapshot, which nothing can write. Elsewhere a snapshot would copy the whole
+        root's layer, so the sandbox stays frozen for the commit instead. Either way
+        commit resolves every path without following symlinks, which is what keeps a
+        layer that does change (a sibling reaching in, a freeze that did not take) from
+        pointing the daemon at a host file.
+        """
+        stack = body.layers
+        frozen_uppers = stack.workspace_dirs()[1:]  # read-only snapshots already
+        snapshot: Path | None = None
+        body.cgroup.freeze()
+        try:
+            if self.store.backend.name == "btrfs":
+                snapshot = self.layers.root / f"c-{secrets.token_hex(8)}"
+                await asyncio.to_thread(self.store.backend.snapshot, stack.volume, snapshot,
+                                        readonly=True)
+                body.cgroup.freeze(frozen=False)
+                yield [snapshot / "ws" / "upper", *frozen_uppers]
+            else:
+                yield stack.workspace_dirs()
+        finally:
+            body.cgroup.freeze(frozen=False)
+            if snapshot is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    await asyncio.to_thread(self.store.backend.delete, snapshot)
 
     async def _attach_workspace(self, body: Body, branch: WorkspaceBranch) -> None:
         """Mount a workspace into a running sandbox: its layers join the sandbox's volume
@@ -99,3 +136,9 @@ class Workspaces:
             await body.channel.call("attach", {"path": path}, fds=[tree])
         finally:
             os.close(tree)
+
+
+def _bit_names(bits: int) -> list[str]:
+    """Permission bits as the names a user reads in the commit result."""
+    return [name for bit, name in ((stat.S_ISUID, "setuid"), (stat.S_ISGID, "setgid"))
+            if bits & bit]

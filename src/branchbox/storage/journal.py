@@ -22,6 +22,8 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
+from branchbox.storage.beneath import open_beneath, parent_beneath
+
 if TYPE_CHECKING:
     from branchbox.storage.workspace_commit import Op
 
@@ -87,9 +89,17 @@ def _mount_id(fd: int) -> int:
     raise OSError(errno.ENOTSUP, "no mnt_id in /proc/self/fdinfo")
 
 
-def _unshift(xid: int, shift: int) -> int:
-    """Ids the sandbox wrote are shifted by ``shift``; lower ones are host ids from copy-up."""
-    return xid - shift if xid >= shift else xid
+class Staged(NamedTuple):
+    """What to create in the staging dir for ``op``: its host owner and mode, decided by
+    the plan (never taken from the sandbox's entry)."""
+
+    op: Op
+    uid: int
+    gid: int
+    mode: int
+
+
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _copy(src: int, dst: int, size: int) -> None:
@@ -107,27 +117,68 @@ def _copy(src: int, dst: int, size: int) -> None:
         offset += sent
 
 
-def _stage(op: Op, dst: str, shift: int) -> int:
-    """Recreate ``op``'s source at ``dst`` with host ownership; return the file bytes copied."""
-    assert op.source is not None
-    st = os.lstat(op.source)
-    uid, gid = _unshift(st.st_uid, shift), _unshift(st.st_gid, shift)
+def _open_regular(root: int, path: str) -> tuple[int, os.stat_result]:
+    """A read fd of regular file ``path`` below layer fd ``root``, and its stat.
+
+    Looked at first through an ``O_PATH`` fd, so a FIFO or device put there
+    is never opened (opening one can block or act); the read fd must then be
+    the very inode looked at.
+    """
+    probe = open_beneath(root, path, os.O_PATH)
+    try:
+        seen = os.fstat(probe)
+    finally:
+        os.close(probe)
+    if not stat.S_ISREG(seen.st_mode):
+        raise OSError(errno.EINVAL, "no longer a regular file in the layer", path)
+    fd = open_beneath(root, path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (seen.st_dev, seen.st_ino):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "replaced while being opened in the layer", path)
+    return fd, st
+
+
+def _readlink(root: int, path: str) -> str:
+    """The target of symlink ``path`` below ``root``, read from its parent's fd."""
+    parent, name = parent_beneath(root, path)
+    try:
+        if not stat.S_ISLNK(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode):
+            raise OSError(errno.EINVAL, "no longer a symlink in the layer", path)
+        return os.readlink(name, dir_fd=parent)
+    finally:
+        os.close(parent)
+
+
+def _stage(item: Staged, name: str, stage_fd: int, layers: list[int]) -> int:
+    """Create ``item`` as ``name`` in the staging dir with its host owner and mode.
+
+    The source is read below its layer's fd without following any symlink;
+    only a regular file's content is copied. Returns the bytes copied.
+    """
+    op = item.op
+    root = layers[op.layer]
     if op.kind == "symlink":
-        os.symlink(os.readlink(op.source), dst)
-        os.lchown(dst, uid, gid)
+        os.symlink(_readlink(root, op.path), name, dir_fd=stage_fd)
+        os.chown(name, item.uid, item.gid, dir_fd=stage_fd, follow_symlinks=False)
         return 0
     if op.kind == "dir":
-        os.mkdir(dst, 0o700)
-        os.chown(dst, uid, gid)
-        os.chmod(dst, stat.S_IMODE(st.st_mode))  # after chown, which clears setgid
+        os.mkdir(name, 0o700, dir_fd=stage_fd)
+        fd = os.open(name, _DIR, dir_fd=stage_fd)
+        try:
+            os.fchown(fd, item.uid, item.gid)
+            os.fchmod(fd, item.mode)  # after chown; the plan has stripped setid bits
+        finally:
+            os.close(fd)
         return 0
-    src = os.open(op.source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    src, st = _open_regular(root, op.path)
     try:
-        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600, dir_fd=stage_fd)
         try:
             _copy(src, fd, st.st_size)
-            os.fchown(fd, uid, gid)
-            os.fchmod(fd, stat.S_IMODE(st.st_mode))  # after chown, which clears setuid
+            os.fchown(fd, item.uid, item.gid)
+            os.fchmod(fd, item.mode)  # after chown; the plan has stripped setid bits
             os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))  # make & co. go by mtime
             os.fsync(fd)
         finally:
@@ -137,119 +188,143 @@ def _stage(op: Op, dst: str, shift: int) -> int:
     return st.st_size
 
 
-def _write_journal(stage: str, stage_fd: int, host: str, steps: list[Step]) -> None:
+def _write_journal(stage_fd: int, host: str, steps: list[Step]) -> None:
     """Make the journal durable under its final name; the rename is the commit point."""
-    tmp = f"{stage}/{_JOURNAL_TMP}"
-    with open(tmp, "w") as out:
+    fd = os.open(_JOURNAL_TMP, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                 | os.O_CLOEXEC, 0o600, dir_fd=stage_fd)
+    with os.fdopen(fd, "w") as out:
         json.dump({"version": 1, "host": host, "steps": steps}, out)
         out.flush()
         os.fsync(out.fileno())
     os.fsync(stage_fd)  # staged entries and the journal's content before the name
     _crash_at("journal-written")
-    os.rename(tmp, f"{stage}/{JOURNAL}")
+    os.rename(_JOURNAL_TMP, JOURNAL, src_dir_fd=stage_fd, dst_dir_fd=stage_fd)
     _crash_at("journal-renamed")
     os.fsync(stage_fd)
     _crash_at("journal-synced")
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+def _lexists_at(dir_fd: int, name: str) -> bool:
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
 
 
-def _remove(path: str) -> None:
-    if stat.S_ISDIR(os.lstat(path).st_mode):
-        shutil.rmtree(path)
-    else:
-        os.unlink(path)
-
-
-def _finish(stage: str, host: str, steps: list[Step]) -> None:
-    """Apply ``steps`` (again, if a crash interrupted them), make it durable, remove ``stage``.
+def _finish(stage_fd: int, host_fd: int, steps: list[Step]) -> None:
+    """Apply ``steps`` (again, if a crash interrupted them), make it durable, empty the stage.
 
     Safe to run any number of times after the journal is in place: a remove
     only takes the inode it planned for, a place only moves what is still
-    staged, a chmod sets the same mode.
+    staged, a chmod sets the same mode. Every host path is resolved below
+    ``host_fd`` without following a symlink: the host dir may hold symlinks
+    a sandbox committed, and none of them may lead a rename or chmod out.
+    The caller removes the (then empty) staging dir itself.
     """
     touched: dict[str, None] = {}
     for i, (action, path, arg) in enumerate(steps, 1):
-        target = f"{host}/{path}"
         if action == "remove":
             try:
-                inode = os.lstat(target).st_ino
+                parent, name = parent_beneath(host_fd, path)
             except FileNotFoundError:
-                inode = None
-            if inode == arg:
-                os.rename(target, f"{stage}/t{i}")  # parked; deleted once all is durable
-            touched[os.path.dirname(target)] = None
+                parent = -1
+            if parent >= 0:
+                try:
+                    try:
+                        inode = os.stat(name, dir_fd=parent, follow_symlinks=False).st_ino
+                    except FileNotFoundError:
+                        inode = None
+                    if inode == arg:  # parked; deleted once all is durable
+                        os.rename(name, f"t{i}", src_dir_fd=parent, dst_dir_fd=stage_fd)
+                finally:
+                    os.close(parent)
+            touched[os.path.dirname(path)] = None
         elif action == "place":
-            staged = f"{stage}/{arg}"
-            if os.path.lexists(staged):
-                os.replace(staged, target)
-            touched[os.path.dirname(target)] = None
+            if _lexists_at(stage_fd, str(arg)):
+                parent, name = parent_beneath(host_fd, path)
+                try:
+                    os.replace(str(arg), name, src_dir_fd=stage_fd, dst_dir_fd=parent)
+                finally:
+                    os.close(parent)
+            touched[os.path.dirname(path)] = None
         else:
-            os.chmod(target, int(arg))  # planned on a real directory
-            touched[target] = None
+            fd = open_beneath(host_fd, path, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fchmod(fd, int(arg))  # planned on a real directory
+            finally:
+                os.close(fd)
+            touched[path] = None
         _crash_at(f"apply:{i}")
     for directory in touched:
-        _fsync_dir(directory)
+        fd = open_beneath(host_fd, directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     _crash_at("applied")
-    for name in os.listdir(stage):
+    for name in os.listdir(stage_fd):
         if name != JOURNAL:
-            _remove(f"{stage}/{name}")
+            _remove_at(stage_fd, name)
     _crash_at("trash-removed")
-    os.unlink(f"{stage}/{JOURNAL}")
+    os.unlink(JOURNAL, dir_fd=stage_fd)
     _crash_at("journal-removed")
-    os.rmdir(stage)
+
+
+def _remove_at(dir_fd: int, name: str) -> None:
+    if stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+        shutil.rmtree(name, dir_fd=dir_fd)
+    else:
+        os.unlink(name, dir_fd=dir_fd)
 
 
 def run(
     host: str,
+    host_fd: int,
     steps: list[Step],
-    staged: dict[str, Op],
-    uid_shift: int,
+    staged: dict[str, Staged],
+    layers: list[int],
     staging_parent: Path | None,
 ) -> int:
-    """Stage, journal and apply ``steps`` on ``host``; return the file bytes written.
+    """Stage, journal and apply ``steps`` on ``host`` (open as ``host_fd``); return bytes written.
 
-    The staging dir is flock'ed for the whole commit so that a concurrent
+    ``layers`` are the fds of the layer directories the staged ops name. The
+    staging dir is flock'ed for the whole commit so that a concurrent
     ``recover`` leaves it alone. Before the commit point any error removes
     it (the host was not touched); after, it stays for ``recover``.
     """
     parent = os.fspath(staging_parent) if staging_parent is not None else os.path.dirname(host)
-    stage = os.path.join(parent, _staging_prefix(host) + os.urandom(8).hex())
-    os.mkdir(stage, 0o700)
-    stage_fd = os.open(stage, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    committed = False
+    parent_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fcntl.flock(stage_fd, fcntl.LOCK_EX)
-        host_fd = os.open(host, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        name = _staging_prefix(host) + os.urandom(8).hex()
+        os.mkdir(name, 0o700, dir_fd=parent_fd)
+        stage_fd = os.open(name, _DIR, dir_fd=parent_fd)
+        committed = False
         try:
+            fcntl.flock(stage_fd, fcntl.LOCK_EX)
             if _mount_id(host_fd) != _mount_id(stage_fd):
                 raise OSError(
                     errno.EXDEV,
                     f"staging dir is not on the mount of {host}: moves would not be renames "
                     "(pass staging_parent= on the same mount)",
-                    stage,
+                    os.path.join(parent, name),
                 )
+            _crash_at("stage-created")
+            written = sum(_stage(item, sname, stage_fd, layers) for sname, item in staged.items())
+            _crash_at("staged")
+            _write_journal(stage_fd, host, steps)
+            committed = True
+            _finish(stage_fd, host_fd, steps)
+            os.rmdir(name, dir_fd=parent_fd)
+            return written
+        except BaseException:
+            if not committed:
+                shutil.rmtree(name, dir_fd=parent_fd, ignore_errors=True)
+            raise
         finally:
-            os.close(host_fd)
-        _crash_at("stage-created")
-        written = sum(_stage(op, f"{stage}/{name}", uid_shift) for name, op in staged.items())
-        _crash_at("staged")
-        _write_journal(stage, stage_fd, host, steps)
-        committed = True
-        _finish(stage, host, steps)
-        return written
-    except BaseException:
-        if not committed:
-            shutil.rmtree(stage, ignore_errors=True)
-        raise
+            os.close(stage_fd)
     finally:
-        os.close(stage_fd)
+        os.close(parent_fd)
 
 
 def recover(host_dir: Path, *, staging_parent: Path | None = None) -> str:
@@ -265,25 +340,35 @@ def recover(host_dir: Path, *, staging_parent: Path | None = None) -> str:
     parent = os.fspath(staging_parent) if staging_parent is not None else os.path.dirname(host)
     pattern = re.compile(re.escape(_staging_prefix(host)) + "[0-9a-f]{16}")
     outcome = "clean"
-    for name in sorted(os.listdir(parent)):
-        if not pattern.fullmatch(name):
-            continue
-        stage = os.path.join(parent, name)
-        stage_fd = os.open(stage, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            try:
-                fcntl.flock(stage_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+    parent_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for name in sorted(os.listdir(parent_fd)):
+            if not pattern.fullmatch(name):
                 continue
+            stage_fd = os.open(name, _DIR, dir_fd=parent_fd)
             try:
-                with open(f"{stage}/{JOURNAL}") as record:
-                    steps = [Step(*step) for step in json.load(record)["steps"]]
-            except FileNotFoundError:
-                shutil.rmtree(stage)
-                outcome = "rolled-back" if outcome == "clean" else outcome
-                continue
-            _finish(stage, host, steps)
-            outcome = "rolled-forward"
-        finally:
-            os.close(stage_fd)
+                try:
+                    fcntl.flock(stage_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                try:
+                    record = os.open(JOURNAL, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                     dir_fd=stage_fd)
+                except FileNotFoundError:
+                    shutil.rmtree(name, dir_fd=parent_fd)
+                    outcome = "rolled-back" if outcome == "clean" else outcome
+                    continue
+                with os.fdopen(record) as journal:
+                    steps = [Step(*step) for step in json.load(journal)["steps"]]
+                host_fd = os.open(host, _DIR)
+                try:
+                    _finish(stage_fd, host_fd, steps)
+                finally:
+                    os.close(host_fd)
+                os.rmdir(name, dir_fd=parent_fd)
+                outcome = "rolled-forward"
+            finally:
+                os.close(stage_fd)
+    finally:
+        os.close(parent_fd)
     return outcome

@@ -43,6 +43,28 @@ the same mount as the host directory so that every move is a ``rename``):
    a crash after it leaves S without a journal, which ``recover`` deletes.
    Either way the host is entirely the new version.
 
+The sandbox is hostile, and the daemon is host root. What keeps a commit
+from handing it the host:
+
+- *Nothing follows a symlink.* The layers are read and the host directory
+  and S are written only through directory fds, every path resolved with
+  :func:`branchbox.storage.beneath.open_beneath` (no symlink in any
+  component, never above the starting directory, never into another mount),
+  and file content is copied from the fd opened that way. The engine hands
+  in a read-only snapshot of the sandbox's layer (or the sandbox frozen), so
+  what is read is one instant; the no-follow resolution is what makes even a
+  tree that changes under the reader unable to point it at a host file.
+- *Only regular files, directories and symlinks are created.* A FIFO,
+  socket or device node in the delta is refused (left as the host has it)
+  and reported in ``CommitResult.refused``; setuid and setgid bits are
+  stripped from what is created (reported in ``CommitResult.stripped``);
+  an existing host directory keeps setid bits it already had, never gains
+  one. Extended attributes (file capabilities, ACLs) are not copied.
+- *The sandbox never chooses a host owner.* An entry that replaces an
+  existing host entry takes that entry's owner; a new one takes the owner
+  of the workspace directory. The ids the sandbox gave its files are
+  ignored.
+
 Fault injection: with ``BRANCHBOX_COMMIT_FAULT=<point>`` in the environment
 the process SIGKILLs itself at that point (see ``FAULT_POINTS`` and
 ``apply_fault_points``), so tests kill the commit path exactly there.
@@ -50,15 +72,19 @@ the process SIGKILLs itself at that point (see ``FAULT_POINTS`` and
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 from branchbox.storage import journal
-from branchbox.storage.journal import FAULT_ENV, FAULT_POINTS, Step, recover
-from branchbox.storage.overlay import is_opaque, is_whiteout
+from branchbox.storage.beneath import lstat_beneath, open_beneath
+from branchbox.storage.journal import FAULT_ENV, FAULT_POINTS, Staged, Step, recover
+from branchbox.storage.overlay import OPAQUE, is_whiteout
 
 __all__ = [
     "FAULT_ENV",
@@ -73,6 +99,8 @@ __all__ = [
     "recover",
 ]
 
+SETID = stat.S_ISUID | stat.S_ISGID
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class WorkspaceConflict(RuntimeError):
@@ -91,23 +119,45 @@ class Op(NamedTuple):
     """One step of a delta: ``kind`` is "delete", "file", "symlink" or "dir".
 
     ``path`` is relative to the workspace root; ``source`` is the entry in the
-    upper layer that provides a creation (None for deletes); ``mode`` its
-    permission bits. A "dir" op merges with a host directory already there;
-    a directory that *replaces* the host's entry comes as "delete" + "dir".
-    A "file" or "symlink" replaces whatever the host has at ``path``.
+    upper layer that provides a creation (None for deletes), for messages
+    only: it is read as ``path`` below layer number ``layer``'s fd, never by
+    this string; ``mode`` its permission bits as the sandbox set them. A
+    "dir" op merges with a host directory already there; a directory that
+    *replaces* the host's entry comes as "delete" + "dir". A "file" or
+    "symlink" replaces whatever the host has at ``path``.
     """
 
     kind: str
     path: str
     source: str | None = None
     mode: int = 0
+    layer: int = 0
+
+
+class Refused(NamedTuple):
+    """An entry of the delta that commit will not create on the host, and what it is."""
+
+    path: str
+    kind: str  # "fifo", "socket", "char device", "block device" or "unknown"
+
+
+class Stripped(NamedTuple):
+    """An entry committed without permission bits the sandbox gave it (setuid/setgid)."""
+
+    path: str
+    bits: int  # the bits removed, e.g. stat.S_ISUID
 
 
 @dataclass(frozen=True)
 class Changes:
-    """Ordered operations: every deletion first, then creations, parents before children."""
+    """Ordered operations: every deletion first, then creations, parents before children.
+
+    ``refused`` lists special files (FIFOs, sockets, devices) the delta holds;
+    they are not among ``ops``, and the host keeps what it has at their paths.
+    """
 
     ops: tuple[Op, ...]
+    refused: tuple[Refused, ...] = ()
 
     @property
     def deletions(self) -> tuple[Op, ...]:
@@ -119,15 +169,65 @@ class Changes:
 
 
 class CommitResult(NamedTuple):
-    """What a commit changed in the host: relative paths, and bytes of file content written."""
+    """What a commit changed in the host: relative paths, and bytes of file content written.
+
+    ``stripped``: entries created without setuid/setgid bits the sandbox set;
+    ``refused``: special files that were not created (both also reported
+    when nothing else changed).
+    """
 
     changed: list[str]
     bytes: int
+    stripped: list[Stripped] = []
+    refused: list[Refused] = []
 
 
-def _listing(directory: str) -> dict[str, os.stat_result]:
-    with os.scandir(directory) as entries:
-        return {e.name: e.stat(follow_symlinks=False) for e in entries}
+def _special_kind(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "fifo"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    if stat.S_ISCHR(mode):
+        return "char device"
+    if stat.S_ISBLK(mode):
+        return "block device"
+    return "unknown"
+
+
+@contextmanager
+def _opened(paths: list[Path] | list[str]) -> Iterator[list[int]]:
+    """Directory fds of ``paths`` (the last component not followed), closed on exit."""
+    fds: list[int] = []
+    try:
+        for path in paths:
+            fds.append(os.open(path, _DIR_FLAGS))
+        yield fds
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _listing(root: int, rel: str) -> dict[str, os.stat_result]:
+    """Entries of directory ``rel`` below layer fd ``root``, each ``lstat``ed through the fd."""
+    fd = open_beneath(root, rel, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with os.scandir(fd) as entries:
+            return {e.name: e.stat(follow_symlinks=False) for e in entries}
+    finally:
+        os.close(fd)
+
+
+def _is_opaque(root: int, rel: str) -> bool:
+    """Whether directory ``rel`` below ``root`` is opaque, read from its own fd."""
+    fd = open_beneath(root, rel, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return os.getxattr(fd, OPAQUE) == b"y"
+    except OSError as exc:
+        if exc.errno in (errno.ENODATA, errno.ENOTSUP):
+            return False
+        raise
+    finally:
+        os.close(fd)
 
 
 def changes(layers: list[Path]) -> Changes:
@@ -139,118 +239,140 @@ def changes(layers: list[Path]) -> Changes:
     it, the host's directory shows through (a merging "dir" op); otherwise
     the host's entry is hidden and is deleted before the "dir" is created.
     """
-    tops = [os.fspath(layer) for layer in layers]
-    if any(is_opaque(top) for top in tops):
+    with _opened(layers) as fds:
+        return _changes(fds, [os.fspath(layer) for layer in layers])
+
+
+def _changes(fds: list[int], names: list[str]) -> Changes:
+    """:func:`changes` on layer directory fds; ``names`` only label ``Op.source``."""
+    if any(_is_opaque(fd, "") for fd in fds):
         raise ValueError("an opaque layer root would hide the whole host directory")
     deletions: list[Op] = []
     creations: list[Op] = []
-    # (directory relative path, contributing layer roots top first, host entry hidden)
-    pending: list[tuple[str, list[str], bool]] = [("", tops, False)]
+    refused: list[Refused] = []
+    # (directory relative path, contributing layer numbers top first, host entry hidden)
+    pending: list[tuple[str, list[int], bool]] = [("", list(range(len(fds))), False)]
     while pending:
         rel, stack, hidden = pending.pop()
-        listings = [_listing(f"{top}/{rel}" if rel else top) for top in stack]
+        listings = [_listing(fds[i], rel) for i in stack]
         for name in sorted({name for listing in listings for name in listing}):
             path = f"{rel}/{name}" if rel else name
             depth = next(i for i, listing in enumerate(listings) if name in listing)
-            st, source = listings[depth][name], f"{stack[depth]}/{path}"
+            layer = stack[depth]
+            st, source = listings[depth][name], f"{names[layer]}/{path}"
             if is_whiteout(st):
                 if not hidden:
                     deletions.append(Op("delete", path))
             elif stat.S_ISDIR(st.st_mode):
-                below, hides = [stack[depth]], is_opaque(source)
-                for top, listing in zip(stack[depth + 1 :], listings[depth + 1 :], strict=True):
+                below, hides = [layer], _is_opaque(fds[layer], path)
+                for lower, listing in zip(stack[depth + 1 :], listings[depth + 1 :], strict=True):
                     if hides:
                         break
-                    lower = listing.get(name)
-                    if lower is None:
+                    entry = listing.get(name)
+                    if entry is None:
                         continue
-                    if not stat.S_ISDIR(lower.st_mode):
+                    if not stat.S_ISDIR(entry.st_mode):
                         hides = True  # a lower whiteout or non-directory ends the merge
                         break
-                    below.append(top)
-                    hides = is_opaque(f"{top}/{path}")
+                    below.append(lower)
+                    hides = _is_opaque(fds[lower], path)
                 if hides and not hidden:
                     deletions.append(Op("delete", path))
-                creations.append(Op("dir", path, source, stat.S_IMODE(st.st_mode)))
+                creations.append(Op("dir", path, source, stat.S_IMODE(st.st_mode), layer))
                 pending.append((path, below, hidden or hides))
             elif stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
                 kind = "file" if stat.S_ISREG(st.st_mode) else "symlink"
-                creations.append(Op(kind, path, source, stat.S_IMODE(st.st_mode)))
+                creations.append(Op(kind, path, source, stat.S_IMODE(st.st_mode), layer))
             else:
-                raise ValueError(f"{source}: cannot commit a device, fifo or socket")
+                refused.append(Refused(path, _special_kind(st.st_mode)))
     deletions.sort(key=lambda op: op.path.split("/"))
     creations.sort(key=lambda op: op.path.split("/"))
-    return Changes(tuple(deletions + creations))
+    refused.sort(key=lambda r: r.path.split("/"))
+    return Changes(tuple(deletions + creations), tuple(refused))
 
 
 class _Plan(NamedTuple):
     steps: list[Step]  # removes, then places, then chmods
-    staged: dict[str, Op]  # staging name -> op providing it
+    staged: dict[str, Staged]  # staging name -> what to create there
     conflicts: list[str]
+    stripped: list[Stripped]
 
 
-def _lstat(path: str) -> os.stat_result | None:
-    try:
-        return os.lstat(path)
-    except FileNotFoundError:
-        return None
-
-
-def _changed_below(root: str, rel: str, since: float) -> list[str]:
-    """Entries under host directory ``root`` (``rel`` to the workspace) changed after ``since``."""
+def _changed_below(host: int, rel: str, since: float) -> list[str]:
+    """Entries under host directory ``rel`` changed after ``since`` (an fd walk, no symlinks)."""
     found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            full = os.path.join(dirpath, name)
-            if os.lstat(full).st_ctime > since:
-                found.append(f"{rel}/{os.path.relpath(full, root)}")
+    top = open_beneath(host, rel, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for dirpath, dirnames, filenames, dirfd in os.fwalk(".", dir_fd=top):
+            for name in dirnames + filenames:
+                if os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_ctime > since:
+                    found.append(os.path.normpath(f"{rel}/{dirpath}/{name}"))
+    finally:
+        os.close(top)
     return found
 
 
-def _plan(delta: Changes, host: str, since: float) -> _Plan:
-    """Resolve ``delta`` against the host as it is now: what to remove, place and chmod.
+def _plan(delta: Changes, host: int, since: float) -> _Plan:
+    """Resolve ``delta`` against the host (directory fd ``host``) as it is now.
 
-    Ops are visited parent first, and a path whose parent is gone (or will
-    be) is known absent without a look, so no ``lstat`` ever goes through a
-    host symlink that the delta replaces.
+    Says what to remove, place and chmod, with which owner and mode. Ops are
+    visited parent first, and a path whose parent is gone (or will be) is
+    known absent without a look; every look is an fd-relative ``lstat``
+    that follows no symlink, so a host symlink (one an earlier commit put
+    there, say) is only ever an entry to replace, never a way through.
     """
-    host_dev = os.lstat(host).st_dev
+    host_st = os.fstat(host)
+    owner = (host_st.st_uid, host_st.st_gid)  # what a new entry gets
     removes: list[Step] = []
     places: list[Step] = []
     chmods: list[Step] = []
-    staged: dict[str, Op] = {}
+    staged: dict[str, Staged] = {}
     conflicts: list[str] = []
+    stripped: list[Stripped] = []
     gone: set[str] = set()  # paths absent from the host once the removes are done
+    replaced: dict[str, tuple[int, int]] = {}  # owner of a host entry a delete takes away
     for op in sorted(delta.ops, key=lambda op: (op.path.split("/"), op.kind != "delete")):
-        target = f"{host}/{op.path}"
         absent = op.path in gone or os.path.dirname(op.path) in gone
-        st = None if absent else _lstat(target)
+        try:
+            st = None if absent else lstat_beneath(host, op.path)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV):
+                raise
+            conflicts.append(op.path)  # a parent is no longer a directory of this mount
+            continue
+        mode = op.mode & ~SETID
         if st is not None:
-            if st.st_dev != host_dev:
-                raise OSError(f"{target} is on another filesystem than {host}; cannot commit")
             if op.kind == "dir" and stat.S_ISDIR(st.st_mode):
-                if stat.S_IMODE(st.st_mode) != op.mode:
+                mode |= op.mode & st.st_mode & SETID  # keep the host's own setid bits only
+                if op.mode & SETID & ~st.st_mode:
+                    stripped.append(Stripped(op.path, op.mode & SETID & ~st.st_mode))
+                if stat.S_IMODE(st.st_mode) != mode:
                     conflicts += [op.path] if st.st_ctime > since else []
-                    chmods.append(Step("chmod", op.path, op.mode))
+                    chmods.append(Step("chmod", op.path, mode))
                 continue  # an existing directory merges: its entries are ops of their own
             conflicts += [op.path] if st.st_ctime > since else []
+            replaced[op.path] = (st.st_uid, st.st_gid)
             # A file or symlink is renamed over a non-directory atomically; anything else goes.
             if op.kind != "file" and op.kind != "symlink" or stat.S_ISDIR(st.st_mode):
                 if stat.S_ISDIR(st.st_mode):
-                    conflicts += _changed_below(target, op.path, since)
+                    conflicts += _changed_below(host, op.path, since)
                 removes.append(Step("remove", op.path, st.st_ino))
         if op.kind == "delete" or op.kind == "dir":
             gone.add(op.path)  # a directory is placed empty: its entries are ops of their own
         if op.kind != "delete":
+            if op.kind != "symlink" and op.mode & SETID:
+                stripped.append(Stripped(op.path, op.mode & SETID))
+            uid, gid = replaced.get(op.path, owner)
             name = f"o{len(staged)}"
-            staged[name] = op
+            staged[name] = Staged(op, uid, gid, mode)
             places.append(Step("place", op.path, name))
-    return _Plan(removes + places + chmods, staged, conflicts)
+    return _Plan(removes + places + chmods, staged, conflicts, stripped)
 
 
 def apply_fault_points(layers: list[Path], host_dir: Path) -> tuple[str, ...]:
     """The "apply:<i>" fault points a commit of ``layers`` into ``host_dir`` passes, in order."""
-    plan = _plan(changes(layers), os.path.abspath(host_dir), float("inf"))
+    with _opened(layers) as fds, _opened([os.path.abspath(host_dir)]) as (host,):
+        plan = _plan(_changes(fds, [os.fspath(p) for p in layers]), host, float("inf"))
     return tuple(f"apply:{i}" for i in range(1, len(plan.steps) + 1))
 
 
@@ -259,7 +381,6 @@ def commit(
     host_dir: Path,
     *,
     since: float,
-    uid_shift: int = 1_000_000,
     staging_parent: Path | None = None,
 ) -> CommitResult:
     """Make ``host_dir`` show what the overlay of ``layers`` over it shows, all or nothing.
@@ -267,18 +388,22 @@ def commit(
     ``since`` is when the sandbox started (``time.time()``): a path the
     commit would touch whose ``st_ctime`` is later was changed from outside,
     and the commit raises :class:`WorkspaceConflict` without touching
-    anything. Owners are shifted back from the sandbox's id range (ids at or
-    above ``uid_shift`` lose it; lower ids were copied up from the host and
-    are kept). The layers must not change during the call. If the process
-    dies, or an error is raised after the commit point, the next
-    :func:`recover` finishes the job.
+    anything. The layers should not change during the call (pass a
+    read-only snapshot): a change can make the commit fail or see a mix of
+    instants, but never read or write outside ``layers`` and ``host_dir``.
+    If the process dies, or an error is raised after the commit point, the
+    next :func:`recover` finishes the job.
     """
     journal.check_fault_env()
     host = os.path.abspath(host_dir)
-    plan = _plan(changes(layers), host, since)
-    if plan.conflicts:
-        raise WorkspaceConflict(sorted(set(plan.conflicts)))
-    if not plan.steps:
-        return CommitResult([], 0)
-    written = journal.run(host, plan.steps, plan.staged, uid_shift, staging_parent)
-    return CommitResult(list(dict.fromkeys(step.path for step in plan.steps)), written)
+    with _opened(layers) as fds, _opened([host]) as (host_fd,):
+        delta = _changes(fds, [os.fspath(layer) for layer in layers])
+        plan = _plan(delta, host_fd, since)
+        if plan.conflicts:
+            raise WorkspaceConflict(sorted(set(plan.conflicts)))
+        refused = list(delta.refused)
+        if not plan.steps:
+            return CommitResult([], 0, plan.stripped, refused)
+        written = journal.run(host, host_fd, plan.steps, plan.staged, fds, staging_parent)
+    changed = list(dict.fromkeys(step.path for step in plan.steps))
+    return CommitResult(changed, written, plan.stripped, refused)
