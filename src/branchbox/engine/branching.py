@@ -24,9 +24,10 @@ from branchbox.engine.layers import (
 )
 from branchbox.engine.live import Body, Live, new_id
 from branchbox.engine.records import SandboxRecord
+from branchbox.runtime import procfs
 from branchbox.runtime.cgroups import Limits, SandboxCgroup
 from branchbox.runtime.channel import AgentChannel, AgentError
-from branchbox.storage.layerdiff import diff_layers
+from branchbox.storage import layerdiff
 
 # Frozen layers a root may stack before a fork squashes them into one.
 MAX_CHAIN = 16
@@ -66,11 +67,15 @@ class Branching:
                 fresh.append(await asyncio.to_thread(self.layers.squash, lowers))
                 lowers = [fresh[-1]]
             limits = self._limits(parent.record.meta.get("memory_mb"))
+            repl = await channel.call("ping")
+            inherit = await asyncio.to_thread(procfs.inherited, pbody.cgroup.pids(),
+                                              int(repl.get("pid") or 0))
             for _ in range(n):
                 sid, body = self._prepare_child(lowers, pbody.layers, limits)
                 made.append((sid, body))
                 batch_open = True
-                answer, hello = await self._send_slot(channel, sid, body)
+                answer, hello = await self._send_slot(channel, sid, body, inherit)
+                inherit = None
                 pending += [answer, hello]
             batch_open = False
             forked = await channel.call("fork")
@@ -132,10 +137,13 @@ class Branching:
             raise
         return sid, Body(key, stack, cgroup)
 
-    async def _send_slot(self, channel: AgentChannel, sid: str, body: Body):
+    async def _send_slot(self, channel: AgentChannel, sid: str, body: Body,
+                         inherit: dict | None):
         """Hand the REPL a child's root, control socket, cgroup fds and extra mounts; it
-        forks the child on receipt. Returns two awaitables: the REPL's answer, and the
-        child's hello (request 0 on its own channel: ready, or why its set-up failed)."""
+        forks the child on receipt. The first slot of a fork also carries ``inherit``
+        (the REPL's fds, see runtime.procfs). Returns two awaitables: the REPL's answer,
+        and the child's hello (request 0 on its own channel: ready, or why its set-up
+        failed)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         body.channel = AgentChannel(ours)
         hello = _drain(body.channel.events(0, body.channel.expect(0)))  # before it can come
@@ -146,6 +154,8 @@ class Branching:
             rid, queue = channel.open_request()
             slot = {"op": "fork_slot", "rid": rid, "id": sid, "nrepl": len(repl_fds),
                     "ncmds": len(cmds_fds), "mounts": [path for _, path in mounts]}
+            if inherit is not None:
+                slot["inherit"] = inherit
             await channel.send(slot, fds=[fds[0], theirs.fileno(), *fds[1:]])
             return _drain(channel.events(rid, queue)), hello
         except BaseException:
@@ -220,7 +230,12 @@ class Branching:
     # ---------------------------------------------------------------------- diff
     async def diff(self, sandbox_id: str, other_id: str,
                    paths: list[str] | None = None) -> dict[str, list[str]]:
-        """Files added in ``other``, removed from it, and modified, read from the layers."""
+        """Files added in ``other``, removed from it, and modified, read from the layers.
+
+        Bounded (see storage.layerdiff): run on the diff executor, never the default one
+        that close and fork use; a file not proven equal within the diff's byte and time
+        budget is reported modified and listed under "unverified"; a tree too large to
+        even list in time is a SandboxTimeout; a cancelled request stops the diff."""
         mine, other = self.get(sandbox_id), self.get(other_id)
         paths = list(paths or DEFAULT_DIFF_PATHS)
         for path in paths:
@@ -228,11 +243,15 @@ class Branching:
                     or ".." in path.split("/"):
                 raise errors.InvalidRequest(f"diff paths must be absolute without '..': {path!r}")
         try:
-            return await asyncio.to_thread(diff_layers, mine.body.layers.layer_dirs(),
-                                           other.body.layers.layer_dirs(), paths)
+            return await layerdiff.diff_bounded(mine.body.layers.layer_dirs(),
+                                                other.body.layers.layer_dirs(), paths)
         except FileNotFoundError:  # a layer went away under the walk
             raise errors.Conflict("a sandbox was closed or merged while the diff was read; "
                                   "diff live sandboxes") from None
+        except layerdiff.DiffTooLarge as exc:
+            raise errors.SandboxTimeout(f"diff failed: {exc}; pass narrower paths") from None
+        except layerdiff.DiffBusy as exc:
+            raise errors.Conflict(f"diff refused: {exc}") from None
 
 
 async def _drain(events: AsyncIterator) -> None:

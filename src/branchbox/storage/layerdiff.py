@@ -13,16 +13,100 @@ stacks with overlayfs' rules:
 
 A whiteout or opaque directory in an unshared layer can hide a whole subtree
 of a shared layer, so that subtree is listed too: it is what was removed.
+
+Bounded, because the layers are written by hostile code: a sandbox can make a
+file of 1 EiB apparent size with ``truncate``, a million files, or a FIFO. So
+
+- contents are compared by extent, never by apparent size: holes cost nothing
+  (``SEEK_DATA``/``SEEK_HOLE``), and ranges that both files map onto the same
+  physical extent of one filesystem (a btrfs snapshot or reflink, FIEMAP) are
+  equal without being read; the same inode is equal without a look;
+- a diff has a :class:`Budget` of bytes read and of wall time, checked between
+  chunks and directory entries; a file that could not be *proven* equal within
+  it is reported as modified and also listed under ``"unverified"``. We report
+  rather than fail because one oversized file must not deny the diff of every
+  other path (a hostile branch could otherwise make itself un-diffable), and
+  "modified" is the conservative answer: diff never calls unread bytes equal.
+  Listing the paths tree itself has no such fallback: past the deadline the diff
+  fails with :class:`DiffTooLarge` (narrow ``paths``);
+- FIFOs, sockets and devices are compared by type and device number, never
+  opened (opening a FIFO blocks);
+- it runs on its own small executor (:func:`diff_bounded`), never the default
+  thread pool that lifecycle operations (close, fork's snapshot) use, and is
+  cancelled when its caller goes away.
 """
 
 from __future__ import annotations
 
+import asyncio
+import errno
+import fcntl
 import os
 import stat
+import struct
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from branchbox.storage.overlay import is_opaque, is_whiteout
+
+# Per diff: bytes of file content read (both sides together) and seconds of wall time,
+# counted from the request (time spent queued for a worker counts). Read at each diff,
+# so a test or an operator can change them.
+READ_BUDGET = 512 << 20
+TIME_BUDGET = 10.0
+# Diffs in flight at once (running or queued); one more is refused as busy.
+MAX_PENDING = 32
+_WORKERS = 2
+_CHUNK = 1 << 20
+_ZEROS = bytes(_CHUNK)
+
+
+class DiffTooLarge(Exception):
+    """The trees to compare could not even be listed within the time budget."""
+
+
+class DiffCancelled(Exception):
+    """The caller went away (or the daemon is stopping): stop at the next check."""
+
+
+class DiffBusy(Exception):
+    """Too many diffs in flight."""
+
+
+class Budget:
+    """What one diff may still spend: bytes to read, and a deadline; and a cancel flag.
+
+    Checked between chunks of at most 1 MiB and between directory entries, so a diff
+    stops within one chunk's time of running out or being cancelled.
+    """
+
+    def __init__(self, read_bytes: int | None = None, seconds: float | None = None) -> None:
+        self.bytes_left = READ_BUDGET if read_bytes is None else read_bytes
+        self.deadline = time.monotonic() + (TIME_BUDGET if seconds is None else seconds)
+        self.cancelled = threading.Event()
+        self.unverified: list[str] = []
+
+    def check(self) -> None:
+        if self.cancelled.is_set():
+            raise DiffCancelled()
+
+    def expired(self) -> bool:
+        self.check()
+        return time.monotonic() > self.deadline
+
+    def take(self, n: int) -> bool:
+        """Account for reading ``n`` more bytes; False once the budget cannot cover them."""
+        if self.expired() or n > self.bytes_left:
+            return False
+        self.bytes_left -= n
+        return True
+
+
+class _OverBudget(Exception):
+    """Internal: this file's comparison ran out of budget."""
 
 
 def resolve(layers: list[Path], rel: str) -> tuple[str, os.stat_result] | None:
@@ -52,7 +136,7 @@ def resolve(layers: list[Path], rel: str) -> tuple[str, os.stat_result] | None:
     return None
 
 
-def _walk(root: str) -> Iterator[tuple[str, os.stat_result]]:
+def _walk(root: str, budget: Budget) -> Iterator[tuple[str, os.stat_result]]:
     """Every entry below ``root`` as (path relative to root, lstat); root itself excluded."""
     stack = [""]
     while stack:
@@ -62,6 +146,9 @@ def _walk(root: str) -> Iterator[tuple[str, os.stat_result]]:
         except (FileNotFoundError, NotADirectoryError):
             continue
         for entry in entries:
+            if budget.expired():
+                raise DiffTooLarge(f"listing {root} took longer than the diff's "
+                                   f"{TIME_BUDGET:g} s budget")
             sub = f"{rel}/{entry.name}" if rel else entry.name
             st = entry.stat(follow_symlinks=False)
             yield sub, st
@@ -73,12 +160,12 @@ def _join(prefix: str, sub: str) -> str:
     return f"{prefix}/{sub}" if prefix else sub
 
 
-def _view_files(layers: list[Path], prefix: str) -> set[str]:
+def _view_files(layers: list[Path], prefix: str, budget: Budget) -> set[str]:
     """All non-directory paths visible under ``prefix`` in the merged view of ``layers``."""
     found: set[str] = set()
     for layer in layers:
         top = f"{layer}/{prefix}"
-        for sub, st in _walk(top):
+        for sub, st in _walk(top, budget):
             if not stat.S_ISDIR(st.st_mode):
                 found.add(_join(prefix, sub))
     return {p for p in found if (r := resolve(layers, p)) and not stat.S_ISDIR(r[1].st_mode)}
@@ -99,49 +186,251 @@ def _replaces(layer: Path, prefix: str) -> bool:
     return False
 
 
-def _candidates(unshared: list[Path], others: list[list[Path]], prefix: str) -> set[str]:
+def _candidates(unshared: list[Path], others: list[list[Path]], prefix: str,
+                budget: Budget) -> set[str]:
     """Paths under ``prefix`` that an unshared layer may have changed."""
     found: set[str] = set()
     for layer in unshared:
         if _replaces(layer, prefix):  # e.g. `rm -rf /tmp`: the prefix itself went
             for stack in others:
-                found |= _view_files(stack, prefix)
+                found |= _view_files(stack, prefix, budget)
         top = f"{layer}/{prefix}"
-        for sub, st in _walk(top):
+        for sub, st in _walk(top, budget):
             rel = _join(prefix, sub)
             if stat.S_ISDIR(st.st_mode):
                 if is_opaque(f"{top}/{sub}"):
                     found.add(rel)  # it may replace a file of the same name
                     for stack in others:
-                        found |= _view_files(stack, rel)
+                        found |= _view_files(stack, rel, budget)
             else:
                 found.add(rel)
                 for stack in others:  # a whiteout or file may hide a whole directory
-                    found |= _view_files(stack, rel)
+                    found |= _view_files(stack, rel, budget)
     return found
 
 
-def _same_content(a: tuple[str, os.stat_result], b: tuple[str, os.stat_result]) -> bool:
+# ------------------------------------------------------------------ file contents
+
+_FS_IOC_FIEMAP = 0xC020660B  # _IOWR('f', 11, struct fiemap)
+_FIEMAP_FLAG_SYNC = 0x1
+_FIEMAP_EXTENT_LAST = 0x1
+# Extents whose physical offset does not name the bytes: not yet allocated (delalloc,
+# unknown), compressed or encrypted (the offset is the whole encoded extent's), inline
+# or tail-packed (no block of their own).
+_FIEMAP_UNSAFE = 0x2 | 0x4 | 0x8 | 0x80 | 0x100 | 0x200 | 0x400
+_FIEMAP_HEADER = struct.Struct("=QQIIII")
+_FIEMAP_EXTENT = struct.Struct("=QQQ16xI12x")
+_FIEMAP_BATCH = 256
+
+# One run of a file's address space: (start, end, physical start or None). A hole has
+# physical -1; data of unknown (or unprovable) placement has None.
+_Run = tuple[int, int, int | None]
+_HOLE = -1
+
+
+def _fiemap_runs(fd: int, size: int, budget: Budget) -> Iterator[_Run]:
+    """The file's extents and the holes between them, by FIEMAP, in batches.
+
+    FIEMAP_FLAG_SYNC first writes the file's dirty pages out, so a range rewritten in
+    the page cache but not yet on disk is not reported at its old, shared extent.
+    """
+    pos, flags = 0, _FIEMAP_FLAG_SYNC
+    while pos < size:
+        budget.check()
+        buf = bytearray(_FIEMAP_HEADER.size + _FIEMAP_EXTENT.size * _FIEMAP_BATCH)
+        _FIEMAP_HEADER.pack_into(buf, 0, pos, size - pos, flags, 0, _FIEMAP_BATCH, 0)
+        fcntl.ioctl(fd, _FS_IOC_FIEMAP, buf, True)
+        flags = 0
+        mapped = _FIEMAP_HEADER.unpack_from(buf, 0)[3]
+        if mapped == 0:
+            break
+        last = False
+        for i in range(mapped):
+            logical, physical, length, eflags = _FIEMAP_EXTENT.unpack_from(
+                buf, _FIEMAP_HEADER.size + i * _FIEMAP_EXTENT.size)
+            end = min(logical + length, size)
+            if end <= pos:
+                continue
+            if logical > pos:
+                yield pos, logical, _HOLE
+            start = max(logical, pos)
+            safe = not eflags & _FIEMAP_UNSAFE
+            yield start, end, physical + (start - logical) if safe else None
+            pos = end
+            last = bool(eflags & _FIEMAP_EXTENT_LAST)
+        if last:
+            break
+    if pos < size:
+        yield pos, size, _HOLE
+
+
+def _seek_runs(fd: int, size: int, budget: Budget) -> Iterator[_Run]:
+    """Data and holes by SEEK_DATA/SEEK_HOLE (any filesystem; one run if unsupported)."""
+    pos = 0
+    while pos < size:
+        budget.check()
+        try:
+            data = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # only a hole from here on
+                data = size
+            elif exc.errno == errno.EINVAL:  # no SEEK_DATA here: all data
+                yield pos, size, None
+                return
+            else:
+                raise
+        data = min(data, size)
+        if data > pos:
+            yield pos, data, _HOLE
+        if data >= size:
+            return
+        hole = min(os.lseek(fd, data, os.SEEK_HOLE), size)
+        yield data, hole, None
+        pos = hole
+
+
+def _same_fs(fd_a: int, fd_b: int) -> bool:
+    """Both files on one mount, so FIEMAP's physical offsets are in one address space.
+
+    st_dev cannot tell: every btrfs subvolume (each snapshot) has its own."""
+    def mount_id(fd: int) -> str | None:
+        try:
+            with open(f"/proc/self/fdinfo/{fd}") as info:
+                for line in info:
+                    if line.startswith("mnt_id:"):
+                        return line.split()[1]
+        except OSError:
+            pass
+        return None
+
+    a = mount_id(fd_a)
+    return a is not None and a == mount_id(fd_b)
+
+
+def _runs(fd: int, size: int, budget: Budget, fiemap: bool) -> Iterator[_Run]:
+    if fiemap:
+        try:
+            first = _fiemap_runs(fd, size, budget)
+            head = next(first, None)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOTTY, errno.EINVAL):
+                raise
+        else:
+            if head is not None:
+                yield head
+                yield from first
+            return
+    yield from _seek_runs(fd, size, budget)
+
+
+def _compare_range(fd_a: int, fd_b: int, start: int, end: int, a_hole: bool, b_hole: bool,
+                   budget: Budget) -> bool:
+    """Read [start, end) of both (a hole side is known zeros, not read) and compare."""
+    pos = start
+    while pos < end:
+        n = min(_CHUNK, end - pos)
+        if not budget.take(n * (int(not a_hole) + int(not b_hole))):
+            raise _OverBudget()
+        ca = _ZEROS[:n] if a_hole else os.pread(fd_a, n, pos)
+        cb = _ZEROS[:n] if b_hole else os.pread(fd_b, n, pos)
+        if ca != cb:
+            return False
+        if len(ca) < n:  # truncated under us: compare what is there, and stop
+            return True
+        pos += n
+    return True
+
+
+def _same_data(fd_a: int, fd_b: int, size: int, budget: Budget) -> bool:
+    """Equal contents of two regular files of ``size`` bytes, read only where needed.
+
+    Sweeps both files' runs together: hole against hole is equal for free, the same
+    physical extent on both sides is equal for free, anything else is read.
+    """
+    fiemap = _same_fs(fd_a, fd_b)
+    runs_a, runs_b = _runs(fd_a, size, budget, fiemap), _runs(fd_b, size, budget, fiemap)
+    ra, rb = next(runs_a, None), next(runs_b, None)
+    pos = 0
+    while pos < size and ra is not None and rb is not None:
+        end = min(ra[1], rb[1])
+        pa, pb = ra[2], rb[2]
+        if pa == _HOLE and pb == _HOLE:
+            pass
+        elif pa is not None and pb is not None and pa != _HOLE and pb != _HOLE \
+                and pa + (pos - ra[0]) == pb + (pos - rb[0]):
+            pass  # one physical extent under both: the same bytes
+        elif not _compare_range(fd_a, fd_b, pos, end, pa == _HOLE, pb == _HOLE, budget):
+            return False
+        pos = end
+        if ra[1] <= pos:
+            ra = next(runs_a, None)
+        if rb[1] <= pos:
+            rb = next(runs_b, None)
+    return pos >= size  # a map that ended early (truncated under us) proves nothing
+
+
+def _open_regular(path: str) -> int | None:
+    """An fd of the regular file at ``path``, or None if it is no longer one (the layer is
+    live: the sandbox may have swapped it for a FIFO or a symlink since the lstat)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+                     | os.O_NOCTTY)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.ENOENT):
+            return None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
+def _same_content(a: tuple[str, os.stat_result], b: tuple[str, os.stat_result],
+                  budget: Budget) -> bool:
+    """Whether two resolved paths hold the same file, as far as can be proven.
+
+    Raises _OverBudget when the budget ran out before an answer."""
     (pa, sa), (pb, sb) = a, b
-    if pa == pb:
-        return True
+    if pa == pb or (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino):
+        return True  # one file: the same layer, or the same inode
     if stat.S_IFMT(sa.st_mode) != stat.S_IFMT(sb.st_mode):
+        return False
+    if stat.S_IMODE(sa.st_mode) != stat.S_IMODE(sb.st_mode):
         return False
     if stat.S_ISLNK(sa.st_mode):
         return os.readlink(pa) == os.readlink(pb)
-    if sa.st_size != sb.st_size or stat.S_IMODE(sa.st_mode) != stat.S_IMODE(sb.st_mode):
+    if stat.S_ISCHR(sa.st_mode) or stat.S_ISBLK(sa.st_mode):
+        return sa.st_rdev == sb.st_rdev
+    if not stat.S_ISREG(sa.st_mode):
+        return True  # FIFOs and sockets have no content; never open one
+    if sa.st_size != sb.st_size:
         return False
-    with open(pa, "rb") as fa, open(pb, "rb") as fb:
-        while True:
-            ca, cb = fa.read(1 << 20), fb.read(1 << 20)
-            if ca != cb:
-                return False
-            if not ca:
-                return True
+    fd_a = _open_regular(pa)
+    if fd_a is None:
+        return False
+    try:
+        fd_b = _open_regular(pb)
+        if fd_b is None:
+            return False
+        try:
+            return _same_data(fd_a, fd_b, sa.st_size, budget)
+        finally:
+            os.close(fd_b)
+    finally:
+        os.close(fd_a)
 
 
-def diff_layers(mine: list[Path], other: list[Path], paths: list[str]) -> dict[str, list[str]]:
-    """Files added (in ``other`` only), removed (in ``mine`` only), modified, under ``paths``."""
+def diff_layers(mine: list[Path], other: list[Path], paths: list[str],
+                budget: Budget | None = None) -> dict[str, list[str]]:
+    """Files added (in ``other`` only), removed (in ``mine`` only), modified, under ``paths``.
+
+    With a budget (default: :data:`READ_BUDGET` bytes, :data:`TIME_BUDGET` seconds), a
+    file whose contents could not be proven equal before it ran out is reported as
+    modified *and* listed under ``"unverified"`` (a key present only when not empty).
+    Raises DiffTooLarge if the paths could not even be listed in time, DiffCancelled
+    once ``budget.cancelled`` is set.
+    """
+    budget = budget or Budget()
     shared = 0
     while shared < min(len(mine), len(other)) and mine[-1 - shared] == other[-1 - shared]:
         shared += 1
@@ -149,9 +438,11 @@ def diff_layers(mine: list[Path], other: list[Path], paths: list[str]) -> dict[s
     candidates: set[str] = set()
     for prefix in paths:
         rel = prefix.strip("/")
-        candidates |= _candidates(unshared, [mine, other], rel)
+        candidates |= _candidates(unshared, [mine, other], rel, budget)
     result: dict[str, list[str]] = {"added": [], "removed": [], "modified": []}
+    unverified: list[str] = []
     for rel in sorted(candidates):
+        budget.check()
         a, b = resolve(mine, rel), resolve(other, rel)
         a = None if a and stat.S_ISDIR(a[1].st_mode) else a
         b = None if b and stat.S_ISDIR(b[1].st_mode) else b
@@ -159,6 +450,51 @@ def diff_layers(mine: list[Path], other: list[Path], paths: list[str]) -> dict[s
             result["added"].append("/" + rel)
         elif a is not None and b is None:
             result["removed"].append("/" + rel)
-        elif a is not None and b is not None and not _same_content(a, b):
-            result["modified"].append("/" + rel)
+        elif a is not None and b is not None:
+            try:
+                same = _same_content(a, b, budget)
+            except _OverBudget:
+                same = False
+                unverified.append("/" + rel)
+            except OSError as exc:
+                if isinstance(exc, FileNotFoundError):
+                    raise  # a layer went away: the caller says so
+                same = False  # unreadable (e.g. changed under us): not proven equal
+                unverified.append("/" + rel)
+            if not same:
+                result["modified"].append("/" + rel)
+    if unverified:
+        result["unverified"] = unverified
     return result
+
+
+# ------------------------------------------------------------------ where diffs run
+
+# Diffs run here, never on the loop's default executor: that one carries close's and
+# fork's blocking steps, and a diff of big files must not make them wait.
+_executor = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="bb-diff")
+_pending = 0
+
+
+async def diff_bounded(mine: list[Path], other: list[Path],
+                       paths: list[str]) -> dict[str, list[str]]:
+    """:func:`diff_layers` on the diff executor, with a fresh budget whose clock starts
+    now (time queued counts); cancelling the caller cancels the diff at its next check.
+
+    Raises DiffBusy when :data:`MAX_PENDING` diffs are already in flight.
+    """
+    global _pending
+    if _pending >= MAX_PENDING:
+        raise DiffBusy(f"{MAX_PENDING} diffs are already in progress; retry later")
+    budget = Budget()
+    _pending += 1
+    try:
+        future = asyncio.get_running_loop().run_in_executor(
+            _executor, diff_layers, mine, other, paths, budget)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            budget.cancelled.set()  # the worker stops at its next check
+            raise
+    finally:
+        _pending -= 1
