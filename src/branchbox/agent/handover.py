@@ -10,6 +10,7 @@ import os
 import socket
 
 from . import sysc
+from .server import RequestError
 
 
 def handle_sethostname(agent, req: dict, payload: bytes, fds: list[int]) -> None:
@@ -23,8 +24,14 @@ def handle_configure(agent, req: dict, payload: bytes, fds: list[int]) -> None:
     """A warm sandbox handed out to a create request takes that request's env and cwd."""
     os.environ.update(req.get("env") or {})
     cwd = req.get("cwd") or "/root"
-    os.makedirs(cwd, exist_ok=True)
-    os.chdir(cwd)
+    try:
+        os.makedirs(cwd, exist_ok=True)
+        os.chdir(cwd)
+    except (OSError, ValueError) as exc:  # a file on the way, a name too long, a NUL
+        shown = cwd if len(cwd) <= 80 else cwd[:77] + "..."
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise RequestError("InvalidRequest", f"cwd {shown!r} is not usable as a directory: "
+                           f"{reason}") from None
     agent.done(req["rid"], {})
 
 

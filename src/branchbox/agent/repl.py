@@ -315,9 +315,13 @@ class Repl:
             outcome.error = _error(exc, None)
             return outcome
         failure: BaseException | None = None
-        previous = self._arm(timeout)
+        previous = self._arm()
         try:
             try:
+                # Armed in here, not in _arm: a timer shorter than the way from setitimer
+                # into this try would raise its KeyboardInterrupt outside it (a 500).
+                if timeout is not None:
+                    signal.setitimer(signal.ITIMER_REAL, timeout)
                 exec(body, self.namespace)
                 if last is not None:
                     value = eval(last, self.namespace)
@@ -352,16 +356,13 @@ class Repl:
         self._flags |= body.co_flags & _FUTURE_FLAGS
         return body, last
 
-    def _arm(self, timeout: float | None) -> tuple[Any, Any]:
+    def _arm(self) -> tuple[Any, Any]:
         self._timed_out = False
         self._deferred = False
-        previous = (
+        return (
             signal.signal(signal.SIGINT, self._interrupt),
             signal.signal(signal.SIGALRM, self._interrupt),
         )
-        if timeout is not None:
-            signal.setitimer(signal.ITIMER_REAL, timeout)
-        return previous
 
     def _disarm(self, previous: tuple[Any, Any]) -> None:
         while True:
