@@ -217,9 +217,23 @@ class Engine(WarmPool, Branching, Workspaces):
             except (AgentError, ChannelClosed, OSError) as exc:
                 await self._destroy_body(sb.body)
                 await sb.family.family.kill()
+                if isinstance(exc, AgentError) and exc.kind == "InvalidRequest":
+                    raise errors.InvalidRequest(exc.message) from None  # e.g. cwd is a file
                 raise errors.EngineError(f"a warm sandbox failed to start: {exc}") from None
         else:
-            sb = await self._spawn(image, meta, env, branch)
+            # Started in "/" and moved to its cwd by the agent, as a warm sandbox is: a cwd
+            # that cannot be one (a file, a name too long) is then the agent's
+            # InvalidRequest, not a failed sandbox entry (a 500).
+            sb = await self._spawn(image, {**meta, "cwd": "/"}, env, branch)
+            sb.record.meta = meta
+            try:
+                await sb.body.channel.call("configure", {"env": {}, "cwd": cwd})
+            except (AgentError, ChannelClosed, OSError) as exc:
+                await self._destroy_body(sb.body)
+                await sb.family.family.kill()
+                if isinstance(exc, AgentError) and exc.kind == "InvalidRequest":
+                    raise errors.InvalidRequest(exc.message) from None
+                raise errors.EngineError(f"the sandbox failed to start: {exc}") from None
         self._adopt(sb, timeout)
         if idle_timeout:
             self._close_when_idle(sb, idle_timeout)

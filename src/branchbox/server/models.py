@@ -13,36 +13,71 @@ from typing import Annotated
 from pydantic import AfterValidator, AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field
 
 MAX_RUN_TIMEOUT = 7 * 86400.0
+# Shorter timeouts are no timeouts (a timer that fires before the code starts): refused.
+MIN_TIMEOUT = 0.001
+PATH_MAX = 4096  # bytes, with the terminating NUL (linux/limits.h)
+NAME_MAX = 255
+
+
+def _shown(text: str) -> str:
+    """``text`` for an error message: a hostile 5,000-character value is not echoed."""
+    return repr(text) if len(text) <= 80 else repr(text[:77]) + "..."
 
 
 def check_sandbox_path(path: str) -> str:
-    """An absolute path inside the sandbox, with no NUL and no ``..`` component.
+    """An absolute path inside the sandbox, with no NUL and no ``..`` component, that
+    the kernel can take: under PATH_MAX bytes, each name at most NAME_MAX.
 
     ``..`` is refused rather than resolved: the agent resolves paths inside the
     sandbox's own root, and a request that needs ``..`` is almost always a bug.
+    The lengths are checked here so that a path the kernel would refuse
+    (ENAMETOOLONG) is a 400 before any sandbox sees it.
     """
     if "\0" in path:
         raise ValueError("path must not contain NUL bytes")
     if not path.startswith("/"):
-        raise ValueError(f"path must be absolute (start with '/'): {path!r}")
-    if ".." in path.split("/"):
-        raise ValueError(f"path must not contain '..' components: {path!r}")
+        raise ValueError(f"path must be absolute (start with '/'): {_shown(path)}")
+    parts = path.split("/")
+    if ".." in parts:
+        raise ValueError(f"path must not contain '..' components: {_shown(path)}")
+    if len(path.encode("utf-8", "surrogateescape")) >= PATH_MAX:
+        raise ValueError(f"path must be shorter than {PATH_MAX} bytes: {_shown(path)}")
+    if any(len(part.encode("utf-8", "surrogateescape")) > NAME_MAX for part in parts):
+        raise ValueError(f"each name in a path must be at most {NAME_MAX} bytes: "
+                         f"{_shown(path)}")
     return path
 
 
+def _check_env(env: dict[str, str]) -> dict[str, str]:
+    """Names and values execve can carry: a name is non-empty without '=' or NUL (the
+    kernel splits "NAME=value" at the first '='), a value has no NUL."""
+    for name, value in env.items():
+        if not name or "=" in name or "\0" in name:
+            raise ValueError(f"invalid environment variable name {_shown(name)}")
+        if "\0" in value:
+            raise ValueError(f"environment variable {_shown(name)} must not contain NUL")
+    return env
+
+
 def _check_command(cmd: object) -> object:
-    """One clear message instead of pydantic's per-union-member errors."""
+    """One clear message instead of pydantic's per-union-member errors; no NUL, which no
+    argument of execve can hold."""
     if isinstance(cmd, str) and cmd:
-        return cmd
-    if isinstance(cmd, list) and cmd and all(isinstance(arg, str) for arg in cmd):
-        return cmd
-    raise ValueError("cmd must be a non-empty string or a non-empty list of strings")
+        args = [cmd]
+    elif isinstance(cmd, list) and cmd and all(isinstance(arg, str) for arg in cmd):
+        args = cmd
+    else:
+        raise ValueError("cmd must be a non-empty string or a non-empty list of strings")
+    if any("\0" in arg for arg in args):
+        raise ValueError("cmd must not contain NUL bytes")
+    return cmd
 
 
 SandboxPath = Annotated[str, AfterValidator(check_sandbox_path)]
 Command = Annotated[str | list[str], BeforeValidator(_check_command)]
-Timeout = Annotated[float, Field(gt=0, le=MAX_RUN_TIMEOUT)]
-Env = dict[str, str]
+# Finite (no NaN or Infinity, which Python's JSON accepts), at least MIN_TIMEOUT.
+Timeout = Annotated[float, Field(ge=MIN_TIMEOUT, le=MAX_RUN_TIMEOUT, allow_inf_nan=False)]
+Env = Annotated[dict[str, str], AfterValidator(_check_env)]
 
 
 class _Body(BaseModel):
@@ -55,12 +90,12 @@ class CreateSandbox(_Body):
     image: str = Field("default", validation_alias=AliasChoices("image", "template"))
     env: Env | None = None
     cwd: SandboxPath | None = None
-    timeout: float | None = Field(None, validation_alias=AliasChoices("timeout",
-                                                                      "timeout_seconds"))
+    timeout: Timeout | None = Field(None, validation_alias=AliasChoices("timeout",
+                                                                        "timeout_seconds"))
     memory_mb: int | None = Field(None, validation_alias=AliasChoices("memory_mb", "ram_mib"))
     workspace: SandboxPath | None = None  # a host directory, mounted copy-on-write
     # Closed after this many seconds without a request on it (a run in progress is use).
-    idle_timeout: float | None = Field(None, validation_alias=AliasChoices(
+    idle_timeout: Timeout | None = Field(None, validation_alias=AliasChoices(
         "idle_timeout", "idle_timeout_seconds"))
     # Accepted so Podflare's SDK can send them. Every sandbox is loopback-only, which
     # already honours egress=false; root filesystems grow on the host's disk (no fixed
