@@ -22,9 +22,13 @@ import socket
 import struct
 
 _HEAD = struct.Struct("!II")
-MAX_HEADER = 64 * 1024 * 1024
-MAX_PAYLOAD = 64 * 1024 * 1024
 CHUNK = 1024 * 1024  # file data travels in frames of at most this many bytes
+# A frame is read whole before it can be checked, so these bound what one frame can make
+# its reader hold. The header limit is set by the largest legitimate one: a background
+# command's ``wait`` result carrying its kept output, JSON-escaped. Payloads are only ever
+# file data, in pieces of CHUNK.
+MAX_HEADER = 64 * 1024 * 1024
+MAX_PAYLOAD = 4 * CHUNK
 
 
 class ChannelClosed(EOFError):
@@ -38,7 +42,7 @@ def encode(header: dict, payload: bytes = b"") -> bytes:
 
 def decode_header(prefix: bytes) -> tuple[int, int]:
     hlen, plen = _HEAD.unpack(prefix)
-    if hlen > MAX_HEADER or plen > MAX_PAYLOAD:
+    if not 0 < hlen <= MAX_HEADER or plen > MAX_PAYLOAD:
         raise ValueError(f"frame too large: header {hlen}, payload {plen}")
     return hlen, plen
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -32,7 +33,7 @@ from branchbox.engine.warm import WarmPool
 from branchbox.engine.workspaces import Workspaces
 from branchbox.runtime import rootfs
 from branchbox.runtime.cgroups import Limits, SandboxCgroup, favor_dynamic_moves
-from branchbox.runtime.channel import AgentChannel, AgentError
+from branchbox.runtime.channel import AgentChannel, AgentError, interrupt_repl
 from branchbox.runtime.family import spawn_family
 from branchbox.storage import workspace_commit
 from branchbox.storage.backend import choose_backend
@@ -276,6 +277,7 @@ class Engine(WarmPool, Branching, Workspaces):
         self.live[sb.id] = sb
         self.records.put(sb.record)
         sb.watcher = asyncio.get_running_loop().create_task(self._watch(sb, sb.body))
+        sb.body.channel.on_abandon = functools.partial(interrupt_repl, sb.body.cgroup)
         if timeout:
             sb.timer = asyncio.get_running_loop().call_later(
                 timeout, self._expire, sb.id
@@ -324,12 +326,14 @@ class Engine(WarmPool, Branching, Workspaces):
             raise errors.SandboxNotFound()
         if sb.timer:
             sb.timer.cancel()
-        await self._destroy_body(sb.body)
-        sb.record.state = "closed"
-        self.records.mark_closed([sb.id])
-        sb.family.members.discard(sb.id)
-        if not sb.family.members:
-            await sb.family.family.kill()
+        try:
+            await self._destroy_body(sb.body)
+        finally:  # even if a step failed (a broken channel): the family must not outlive it
+            sb.record.state = "closed"
+            self.records.mark_closed([sb.id])
+            sb.family.members.discard(sb.id)
+            if not sb.family.members:
+                await sb.family.family.kill()
 
     def _retire(self, body: Body) -> None:
         """Destroy a body in the background (stop() waits for it)."""
@@ -377,8 +381,12 @@ class Engine(WarmPool, Branching, Workspaces):
             await self._acquire(sb, None)
         try:
             channel = self._check_alive(sb)
-            async for item in channel.stream(op, args, payload):
-                yield item
+            events = channel.stream(op, args, payload)
+            try:
+                async for item in events:
+                    yield item
+            finally:  # now, not when collected: an abandoned run is interrupted before unlock
+                await events.aclose()
         except AgentError as exc:
             raise errors.AGENT_ERRORS.get(exc.kind, errors.EngineError)(exc.message) from None
         except ChannelClosed:

@@ -4,6 +4,32 @@ One reader task per channel routes frames to the request they answer (by
 ``rid``), so a background command can be waited on while other requests are
 answered. The raw socket is used instead of asyncio streams because fork
 requests carry file descriptors (SCM_RIGHTS).
+
+Everything that arrives here was written by the sandbox's REPL process, and
+user code runs in that process: it can find the socket and write frames of its
+own. So every frame is hostile input, and the daemon enforces its budgets
+itself instead of trusting the agent's:
+
+- A frame must be well formed: sane lengths, a JSON *object* header, the
+  fields of its kind with the right types, a payload only where one belongs,
+  and the ``rid`` of a request still open (or abandoned, see below). Anything
+  else is a protocol violation: the channel is shut down, which ends only this
+  sandbox (its callers get ``ChannelClosed``, its REPL sees the socket close).
+- Each request has a budget of output characters (its ``max_output`` plus a
+  little) and of frames; a request that goes past it is a violation too. A
+  file read has no byte budget (files can be large) but is paced by its
+  reader: see backpressure.
+- Backpressure: each request's queue holds at most :data:`QUEUE_FRAMES` frames
+  and :data:`QUEUE_BYTES` bytes. When it is full the reader stops reading the
+  socket, the kernel's socket buffer fills and the agent blocks in its send.
+  Memory per sandbox is thus bounded by the open requests' queues plus one
+  frame in hand.
+- A request its caller gave up on (a client that went away) is *abandoned*:
+  its frames are read and dropped until its final event, within its budget
+  (and at most :data:`ABANDONED_DRAIN` bytes), and ``on_abandon`` is called
+  so that the engine can interrupt the REPL.
+- The reader yields to the event loop after every frame: a socket that always
+  has data must not starve other sandboxes and the API.
 """
 
 from __future__ import annotations
@@ -11,11 +37,41 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
+import logging
+import os
+import signal
 import socket
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from branchbox.agent import protocol
 from branchbox.agent.protocol import ChannelClosed
+from branchbox.agent.server import MAX_OUTPUT
+
+if TYPE_CHECKING:
+    from branchbox.runtime.cgroups import SandboxCgroup
+
+log = logging.getLogger("branchbox.channel")
+
+QUEUE_FRAMES = 256
+"""Frames one request may have waiting for its caller before the reader stops reading."""
+QUEUE_BYTES = 8 * 1024 * 1024
+"""Bytes one request may have waiting (one larger frame is still taken into an empty queue)."""
+MAX_EVENT_DATA = 2 * 1024 * 1024
+"""Characters of ``data`` in one stdout/stderr event (the agent sends at most 1 Mi)."""
+OUTPUT_SLACK = 1024 * 1024
+"""Characters past a request's ``max_output`` the agent may send (markers, decoder tails)."""
+FRAME_SLACK = 1024
+"""Frames a request may send beyond one per character (or byte) of its content."""
+ABANDONED_DRAIN = 1 << 30
+"""Bytes the daemon reads and drops for a request nobody waits for any more; past that
+the sandbox is cut off rather than costing the daemon time for ever."""
+_OUTPUT_OPS = {"run_code", "exec"}
+_UNBOUNDED_OPS = {"read"}  # paced by its reader instead (backpressure)
+_FINAL = {"done", "fail"}
 
 
 class AgentError(Exception):
@@ -27,43 +83,229 @@ class AgentError(Exception):
         self.message = message
 
 
+class ProtocolViolation(ValueError):
+    """A frame the daemon refuses: the sandbox's channel is shut down."""
+
+
+@dataclass(eq=False)
+class _Request:
+    """One open request: its queue and what it has cost so far."""
+
+    op: str | None
+    content_budget: int | None  # characters of output or payload bytes; None: unbounded
+    frame_budget: int | None
+    items: deque = field(default_factory=deque)
+    queued_bytes: int = 0
+    content: int = 0
+    frames: int = 0
+    wire: int = 0
+    abandoned: bool = False
+    finished: bool = False  # its final event (done or fail) has arrived
+    space: asyncio.Event = field(default_factory=asyncio.Event)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def charge(self, content: int, size: int) -> None:
+        self.content += content
+        self.frames += 1
+        self.wire += size
+        if self.content_budget is not None and self.content > self.content_budget:
+            raise ProtocolViolation(
+                f"request {self.op!r} went past its output budget ({self.content_budget})")
+        if self.frame_budget is not None and self.frames > self.frame_budget:
+            raise ProtocolViolation(f"request {self.op!r} sent more than {self.frame_budget} "
+                                    "frames")
+        if self.abandoned and self.wire > ABANDONED_DRAIN:
+            raise ProtocolViolation(f"abandoned request {self.op!r} kept sending past "
+                                    f"{ABANDONED_DRAIN} bytes")
+
+    def full(self) -> bool:
+        return bool(self.items) and (len(self.items) >= QUEUE_FRAMES
+                                     or self.queued_bytes >= QUEUE_BYTES)
+
+
+class RequestQueue:
+    """The events of one request as its caller sees them (``get``, ``empty``)."""
+
+    def __init__(self, channel: AgentChannel, rid: int, request: _Request) -> None:
+        self._channel, self.rid, self._request = channel, rid, request
+
+    def empty(self) -> bool:
+        return not self._request.items
+
+    async def get(self) -> tuple[dict, bytes] | None:
+        """The next event, or None once the channel is closed and nothing is left."""
+        req = self._request
+        while not req.items:
+            if self._channel.closed.is_set():
+                return None
+            req.ready.clear()
+            await req.ready.wait()  # set by the reader for each frame, and when it ends
+        header, payload, size = req.items.popleft()
+        req.queued_bytes -= size
+        if not req.full():
+            req.space.set()
+        return header, payload
+
+
+def _budget(op: str | None, args: dict | None) -> tuple[int | None, int | None]:
+    """(content, frames) a request ``op`` with ``args`` may send before it is a violation."""
+    if op in _UNBOUNDED_OPS:
+        return None, None
+    limit = MAX_OUTPUT
+    requested = (args or {}).get("max_output")
+    if op in _OUTPUT_OPS and isinstance(requested, int) and not isinstance(requested, bool):
+        limit = max(0, requested)
+    content = limit + OUTPUT_SLACK
+    return content, content + FRAME_SLACK
+
+
+def _check(header: object, payload: bytes) -> tuple[int, str, int]:
+    """(rid, kind, content size) of a well-formed event frame; raises ProtocolViolation."""
+    if not isinstance(header, dict):
+        raise ProtocolViolation(f"header is a JSON {type(header).__name__}, not an object")
+    rid, ev = header.get("rid"), header.get("ev")
+    if not isinstance(rid, int) or isinstance(rid, bool):
+        raise ProtocolViolation(f"rid must be an integer, got {type(rid).__name__}")
+    if ev in ("stdout", "stderr"):
+        data = header.get("data")
+        if not isinstance(data, str) or len(data) > MAX_EVENT_DATA or payload \
+                or header.keys() - {"rid", "ev", "data"}:
+            raise ProtocolViolation(f"malformed {ev} event")
+        return rid, ev, len(data)
+    if ev == "chunk":
+        if len(payload) > protocol.CHUNK or header.keys() - {"rid", "ev"}:
+            raise ProtocolViolation("malformed chunk event")
+        return rid, ev, len(payload)
+    if ev == "done":
+        if not isinstance(header.get("result", {}), dict) or payload:
+            raise ProtocolViolation("malformed done event")
+        return rid, ev, 0
+    if ev == "fail":
+        err = header.get("error")
+        if not (isinstance(err, dict) and isinstance(err.get("type"), str)
+                and isinstance(err.get("message", ""), str)) or payload:
+            raise ProtocolViolation("malformed fail event")
+        return rid, ev, 0
+    raise ProtocolViolation(f"unknown event kind {ev!r}"[:200])
+
+
+def interrupt_repl(cgroup: SandboxCgroup, op: str | None) -> None:
+    """``on_abandon`` for a sandbox: a ``run_code`` nobody waits for is interrupted (SIGINT
+    raises KeyboardInterrupt in user code), so its REPL is free for the next call instead
+    of running on for ever. Other requests end on their own (commands have timeouts, a
+    file read its file's end) and their output is dropped meanwhile.
+
+    The REPL's host pid comes from the sandbox's ``repl`` cgroup leaf; a pidfd taken
+    before the membership is checked again makes sure the signal reaches that process and
+    not one that reused its pid.
+    """
+    if op != "run_code":
+        return
+    for directory in cgroup.dirs:
+        procs = directory / "repl" / "cgroup.procs"
+        try:
+            pids = procs.read_text().split()
+        except FileNotFoundError:  # on cgroup v1 only the freezer has the leaves
+            continue
+        for pid in pids:
+            try:
+                pidfd = os.pidfd_open(int(pid))
+            except (ProcessLookupError, ValueError):
+                continue
+            try:
+                if pid in procs.read_text().split():
+                    signal.pidfd_send_signal(pidfd, signal.SIGINT)
+            except (ProcessLookupError, FileNotFoundError):
+                pass
+            finally:
+                os.close(pidfd)
+
+
 class AgentChannel:
     def __init__(self, sock: socket.socket) -> None:
         sock.setblocking(False)
         self.sock = sock
         self._loop = asyncio.get_running_loop()
         self._rids = itertools.count(1)
-        self._pending: dict[int, asyncio.Queue] = {}
+        self._pending: dict[int, _Request] = {}
         self._send_lock = asyncio.Lock()
         self.closed = asyncio.Event()
+        self.violation: str | None = None
+        self.on_abandon: Callable[[str | None], None] | None = None
+        """Called (with the op) when a request is given up before its final event."""
         self._reader = self._loop.create_task(self._read_loop())
 
-    async def _recv_exact(self, n: int) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = await self._loop.sock_recv(self.sock, n - len(buf))
-            if not chunk:
+    async def _recv_exact(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = await self._loop.sock_recv_into(self.sock, view[got:])
+            if not k:
                 raise ChannelClosed("control channel closed")
-            buf += chunk
-        return bytes(buf)
+            got += k
+        return buf
+
+    async def _read_frame(self) -> tuple[object, bytes, int]:
+        prefix = await self._recv_exact(8)
+        try:
+            hlen, plen = protocol.decode_header(bytes(prefix))
+        except ValueError as exc:
+            raise ProtocolViolation(str(exc)) from None
+        raw = await self._recv_exact(hlen)
+        try:
+            header = json.loads(raw)
+        except ValueError:
+            raise ProtocolViolation("header is not JSON") from None
+        del raw
+        payload = bytes(await self._recv_exact(plen)) if plen else b""
+        return header, payload, 8 + hlen + plen
 
     async def _read_loop(self) -> None:
-        import json
-
         try:
             while True:
-                hlen, plen = protocol.decode_header(await self._recv_exact(8))
-                header = json.loads(await self._recv_exact(hlen))
-                payload = await self._recv_exact(plen) if plen else b""
-                queue = self._pending.get(header.get("rid"))
-                if queue is not None:
-                    queue.put_nowait((header, payload))
-        except (ChannelClosed, OSError, ValueError):
+                header, payload, size = await self._read_frame()
+                rid, ev, content = _check(header, payload)
+                req = self._pending.get(rid)
+                if req is None:
+                    raise ProtocolViolation(f"event for request {rid}, which is not open")
+                if req.finished:
+                    raise ProtocolViolation(f"event for request {rid} after its final event")
+                req.charge(content, size)
+                if ev in _FINAL:
+                    req.finished = True
+                    req.space.set()
+                if req.abandoned:
+                    if ev in _FINAL:
+                        self._pending.pop(rid, None)
+                else:
+                    while req.full() and not req.abandoned:  # backpressure onto the socket
+                        req.space.clear()
+                        await req.space.wait()
+                    if not req.abandoned:
+                        req.items.append((header, payload, size))
+                        req.queued_bytes += size
+                        req.ready.set()
+                    elif ev in _FINAL:
+                        self._pending.pop(rid, None)
+                del header, payload
+                await asyncio.sleep(0)  # never hold the loop while the socket has data
+        except ProtocolViolation as exc:
+            self.violation = str(exc)
+            log.warning("closing a sandbox's control channel: %s", exc)
+        except (ChannelClosed, OSError):
             pass
+        except Exception:  # a bug here must still end only this channel
+            log.exception("control channel reader failed")
+            self.violation = "internal error reading the channel"
         finally:
+            if self.violation is not None:
+                with contextlib.suppress(OSError):
+                    self.sock.shutdown(socket.SHUT_RDWR)
             self.closed.set()
-            for queue in self._pending.values():
-                queue.put_nowait(None)
+            for req in self._pending.values():
+                req.ready.set()
+                req.space.set()
 
     async def send(self, header: dict, payload: bytes = b"", fds: list[int] = ()) -> None:
         data = protocol.encode(header, payload)
@@ -79,25 +321,46 @@ class AgentChannel:
             if data:
                 await self._loop.sock_sendall(self.sock, data)
 
-    def open_request(self) -> tuple[int, asyncio.Queue]:
+    def open_request(self, op: str | None = None, args: dict | None = None
+                     ) -> tuple[int, RequestQueue]:
         rid = next(self._rids)
-        return rid, self.expect(rid)
+        return rid, self._open(rid, op, args)
 
-    def expect(self, rid: int) -> asyncio.Queue:
+    def expect(self, rid: int) -> RequestQueue:
         """Route frames with ``rid`` to a new queue (rid 0: a fork child's hello)."""
-        queue: asyncio.Queue = asyncio.Queue()
-        self._pending[rid] = queue
-        return queue
+        return self._open(rid, None, None)
+
+    def _open(self, rid: int, op: str | None, args: dict | None) -> RequestQueue:
+        content, frames = _budget(op, args)
+        req = _Request(op, content, frames)
+        self._pending[rid] = req
+        return RequestQueue(self, rid, req)
 
     def close_request(self, rid: int) -> None:
-        self._pending.pop(rid, None)
+        """The caller is done with ``rid``. If its final event has not come yet, the
+        request is abandoned: what still comes is dropped, and ``on_abandon`` runs."""
+        req = self._pending.get(rid)
+        if req is None or req.abandoned:
+            return
+        if req.finished or self.closed.is_set():
+            self._pending.pop(rid, None)
+            return
+        req.abandoned = True
+        req.items.clear()
+        req.queued_bytes = 0
+        req.space.set()  # a reader blocked on this queue reads (and drops) again
+        if req.content_budget is None:
+            req.content_budget = req.content + ABANDONED_DRAIN
+        if self.on_abandon is not None:
+            try:
+                self.on_abandon(req.op)
+            except Exception:
+                log.exception("interrupting an abandoned request failed")
 
-    async def events(self, rid: int, queue: asyncio.Queue) -> AsyncIterator[tuple[dict, bytes]]:
+    async def events(self, rid: int, queue: RequestQueue) -> AsyncIterator[tuple[dict, bytes]]:
         """Yield the events of request ``rid`` up to and including its ``done``."""
         try:
             while True:
-                if self.closed.is_set() and queue.empty():
-                    raise ChannelClosed("the sandbox's REPL process is gone")
                 item = await queue.get()
                 if item is None:
                     raise ChannelClosed("the sandbox's REPL process is gone")
@@ -115,8 +378,12 @@ class AgentChannel:
     async def stream(
         self, op: str, args: dict | None = None, payload: bytes = b"", fds: list[int] = ()
     ) -> AsyncIterator[tuple[dict, bytes]]:
-        rid, queue = self.open_request()
-        await self.send({"op": op, "rid": rid, **(args or {})}, payload, fds)
+        rid, queue = self.open_request(op, args)
+        try:
+            await self.send({"op": op, "rid": rid, **(args or {})}, payload, fds)
+        except BaseException:
+            self._pending.pop(rid, None)
+            raise
         async for item in self.events(rid, queue):
             yield item
 
@@ -130,8 +397,8 @@ class AgentChannel:
         return result
 
     async def close(self) -> None:
+        """Stop reading and close the socket; never raises (even if the reader failed)."""
         self._reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reader
+        await asyncio.wait([self._reader])
         self.sock.close()
         self.closed.set()

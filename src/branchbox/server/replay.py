@@ -20,6 +20,9 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 MAX_EVENTS = 1000  # what Podflare's SDK documents for replay
+MAX_LINE = 1 << 20
+"""Characters of output one event carries: a longer line (or output that never ends a
+line) goes out in pieces of this size, so a partial line is never held without bound."""
 MAX_BYTES = 1 << 20
 MAX_SANDBOXES = 256
 
@@ -75,12 +78,16 @@ class PodflareEvents:
 
     def __init__(self, language: str) -> None:
         self._language = language
-        self._partial = {"stdout": "", "stderr": ""}
+        # The unfinished line of each stream, as pieces: appending stays linear in the
+        # output however it is cut (re-joining it per event would be quadratic).
+        self._partial: dict[str, list[str]] = {"stdout": [], "stderr": []}
+        self._partial_len = {"stdout": 0, "stderr": 0}
 
     def feed(self, header: dict) -> list[tuple[str, str | int]]:
         kind = header.get("ev")
         if kind in self._partial:
-            return self._lines(kind, header.get("data", ""))
+            data = header.get("data", "")
+            return self._lines(kind, data if isinstance(data, str) else str(data))
         if kind != "done":
             return []
         result = header.get("result") or {}
@@ -94,10 +101,29 @@ class PodflareEvents:
         return [*out, ("exit", -1 if code is None else code)]
 
     def _lines(self, kind: str, text: str) -> list[tuple[str, str | int]]:
-        *whole, self._partial[kind] = (self._partial[kind] + text).split("\n")
-        return [(kind, line) for line in whole]
+        out: list[tuple[str, str | int]] = []
+        pieces = self._partial[kind]
+        first, *rest = text.split("\n")
+        for i, segment in enumerate((first, *rest)):
+            if i:  # a newline ended the line before this segment
+                out.append((kind, "".join(pieces)))
+                pieces.clear()
+                self._partial_len[kind] = 0
+            while self._partial_len[kind] + len(segment) > MAX_LINE:
+                cut = MAX_LINE - self._partial_len[kind]
+                out.append((kind, "".join([*pieces, segment[:cut]])))
+                pieces.clear()
+                self._partial_len[kind] = 0
+                segment = segment[cut:]
+            if segment:
+                pieces.append(segment)
+                self._partial_len[kind] += len(segment)
+        return out
 
     def _flush(self) -> list[tuple[str, str | int]]:
-        out: list[tuple[str, str | int]] = [(k, rest) for k, rest in self._partial.items() if rest]
-        self._partial = {"stdout": "", "stderr": ""}
+        out: list[tuple[str, str | int]] = [
+            (k, "".join(pieces)) for k, pieces in self._partial.items() if pieces]
+        for k in self._partial:
+            self._partial[k] = []
+            self._partial_len[k] = 0
         return out

@@ -10,10 +10,18 @@ byte stream mid-body so the client cannot mistake a partial file for a whole.
 A run whose first event is already its last (no output, the common short
 call) is answered in one piece: nothing is left to stream, and a plain
 response costs far less than a streaming one.
+
+A body yields to the event loop after every event. Events can be ready one after
+another for a long time (a sandbox that writes as fast as it can), and a send to
+a client that went away returns at once: without a yield, the task that notices
+the disconnect would never run, and neither would anything else. Once noticed,
+the body is cancelled and closes its events at once, which abandons the request
+in the sandbox (an abandoned run is interrupted; see ``runtime.channel``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -82,12 +90,15 @@ async def ndjson_response(events: AsyncIterator[Event], to_lines: Callable[[dict
             async for header, _ in rest:
                 for line in to_lines(header):
                     yield encode_line(line)
+                await asyncio.sleep(0)  # let a client's disconnect (and the rest) be seen
         except Exception as exc:  # the status line is gone: report in-band
             status, message, kind = describe(exc)
             if status == 500:
                 log.error("stream failed", exc_info=exc)
             for line in failure(message, kind, status):
                 yield encode_line(line)
+        finally:
+            await rest.aclose()
 
     return StreamingResponse(body(), media_type=NDJSON)
 
@@ -96,9 +107,13 @@ def bytes_response(events: AsyncIterator[Event]) -> StreamingResponse:
     """The payloads of ``events`` as the response body, never held whole in memory."""
 
     async def body() -> AsyncIterator[bytes]:
-        async for _, payload in events:
-            if payload:
-                yield payload
+        try:
+            async for _, payload in events:
+                if payload:
+                    yield payload
+                await asyncio.sleep(0)
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
 
     return StreamingResponse(body(), media_type="application/octet-stream")
 

@@ -1,0 +1,379 @@
+"""A hostile sandbox against the daemon: forged frames on its own control socket.
+
+The REPL process is the sandbox's agent, so user code can find the control
+socket (an AF_UNIX stream among its fds) and write frames of its own. Each
+attack here runs as such user code against a real ``branchbox serve`` process
+(so its RSS is the daemon's alone and a client disconnect is a real one), and
+checks what must hold whatever a sandbox sends: the daemon's memory stays
+bounded, ``/v1/healthz`` and other sandboxes answer, a malformed frame ends that
+sandbox's channel only, and closing the sandbox leaves no process behind.
+Liveness bounds are generous on purpose: these are not timings.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+API_KEY = "agent-input-test-key"
+LIVE = 10.0  # seconds within which the daemon must answer under attack (liveness)
+
+# Prepended to every attack: find the control socket and the rid of the running call.
+HOSTILE = r'''
+import gc, json, os, socket, stat, struct
+
+def _ctrl():
+    for fd in range(3, 4096):
+        try:
+            mode = os.fstat(fd).st_mode
+        except OSError:
+            continue
+        if not stat.S_ISSOCK(mode):
+            continue
+        s = socket.socket(fileno=os.dup(fd))
+        if s.family == socket.AF_UNIX and s.type == socket.SOCK_STREAM:
+            s.setblocking(True)
+            return s
+        s.close()
+    raise RuntimeError("no control socket found")
+
+def _rid():
+    for o in gc.get_objects():
+        if type(o).__name__ == "_Call" and hasattr(o, "rid"):
+            return o.rid
+    raise RuntimeError("no call in progress")
+
+def frame(header, payload=b""):
+    h = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("!II", len(h), len(payload)) + h + payload
+'''
+
+
+class Daemon:
+    """A ``branchbox serve`` process on a loopback port, and an HTTP client for it."""
+
+    def __init__(self) -> None:
+        if os.geteuid() != 0:
+            pytest.fail("these tests need root: the daemon makes namespaces, cgroups and mounts")
+        # Not pytest's tmp_path: a sandbox's mapped root must traverse the data directory.
+        self.data_dir = Path(tempfile.mkdtemp(prefix="branchbox-test-agent-input-"))
+        self.data_dir.chmod(0o755)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = self.data_dir / "test-daemon.log"
+        env = {**os.environ, "BRANCHBOX_API_KEY": API_KEY}
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "branchbox", "serve", "--host", "127.0.0.1", "--port",
+                 str(port), "--data-dir", str(self.data_dir), "--storage", "copy"],
+                env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.http = httpx.Client(base_url=self.url, timeout=120,
+                                 headers={"Authorization": f"Bearer {API_KEY}"})
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"the daemon exited while starting:\n{self.log.read_text()}")
+            try:
+                if self.http.get("/v1/healthz", timeout=2).text == "ok":
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        pytest.fail(f"the daemon did not answer within 120 s:\n{self.log.read_text()}")
+
+    def rss(self) -> int:
+        """The daemon's resident memory, bytes."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS")
+
+    def healthz_latency(self) -> float:
+        started = time.monotonic()
+        assert self.http.get("/v1/healthz", timeout=60).text == "ok"
+        return time.monotonic() - started
+
+    def create(self, **body: object) -> str:
+        reply = self.http.post("/v1/sandboxes", json=body)
+        assert reply.status_code == 201, reply.text
+        return reply.json()["id"]
+
+    def run(self, sid: str, code: str, timeout: float = 120) -> httpx.Response:
+        return self.http.post(f"/v1/sandboxes/{sid}/run_code", json={"code": code},
+                              timeout=timeout)
+
+    def processes(self, sid: str) -> list[int]:
+        """Host pids of the sandbox's family: its processes, their family init and launcher
+        (the chain of parents up to the daemon)."""
+        info = self.http.get(f"/v1/sandboxes/{sid}").json()
+        found = set(info["resources"]["host_pids"])
+        for pid in list(found):
+            while (parent := _ppid(pid)) not in (None, self.proc.pid, 1, 0):
+                found.add(parent)
+                pid = parent
+        assert found, info
+        return sorted(found)
+
+    def stop(self) -> None:
+        self.http.close()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            pytest.fail("the daemon ignored SIGTERM for 60 s")
+        finally:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("PPid:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.append(pid)
+    return alive
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[Daemon]:
+    d = Daemon()
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+@pytest.fixture
+def make(daemon: Daemon) -> Iterator[Callable[..., str]]:
+    made: list[str] = []
+
+    def factory(**body: object) -> str:
+        sid = daemon.create(**body)
+        made.append(sid)
+        return sid
+
+    yield factory
+    for sid in made:
+        daemon.http.delete(f"/v1/sandboxes/{sid}")
+
+
+class Watch:
+    """While an attack runs: sample the daemon's RSS and probe healthz from a thread."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.baseline = daemon.rss()
+        self.peak = self.baseline
+        self.worst_healthz = 0.0
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._sample),
+                         threading.Thread(target=self._probe)]
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, self.daemon.rss())
+
+    def _probe(self) -> None:
+        with httpx.Client(base_url=self.daemon.url, timeout=120) as client:
+            while not self._stop.wait(0.2):
+                started = time.monotonic()
+                assert client.get("/v1/healthz").text == "ok"
+                self.worst_healthz = max(self.worst_healthz, time.monotonic() - started)
+
+    def __enter__(self) -> Watch:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.baseline
+
+
+def assert_closed_cleanly(daemon: Daemon, sid: str, pids: list[int]) -> None:
+    """DELETE succeeds and nothing of the sandbox's family is left running."""
+    reply = daemon.http.delete(f"/v1/sandboxes/{sid}")
+    assert reply.status_code == 204, reply.text
+    deadline = time.monotonic() + LIVE
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pids), f"left running after close: {_alive(pids)}"
+
+
+def assert_others_fine(daemon: Daemon, other: str) -> None:
+    assert daemon.healthz_latency() < LIVE
+    started = time.monotonic()
+    reply = daemon.run(other, "print(6 * 7)", timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert '"data":"42\\n"' in reply.text
+    assert time.monotonic() - started < LIVE
+
+
+# --------------------------------------------------------------------------- the attacks
+
+def test_frames_past_the_output_budget_are_not_queued_without_bound(
+        daemon: Daemon, make: Callable[..., str]) -> None:
+    """400 MiB of forged stdout for the running call from a 128 MiB sandbox, read by a
+    client that does not read: the daemon holds at most a bounded queue of it."""
+    victim, other = make(memory_mb=128), make()
+    pids = daemon.processes(victim)
+    code = HOSTILE + (
+        "s = _ctrl()\n"
+        "blob = frame({'rid': _rid(), 'ev': 'stdout', 'data': 'x' * (1 << 20)})\n"
+        "for _ in range(400):\n"
+        "    s.sendall(blob)\n"
+    )
+    with Watch(daemon) as watch:
+        # A client that sends the request and then does not read the response.
+        port = int(daemon.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as raw:
+            body = httpx.Request("POST", f"{daemon.url}/v1/sandboxes/{victim}/run_code",
+                                 json={"code": code}).read()
+            raw.sendall(
+                f"POST /v1/sandboxes/{victim}/run_code HTTP/1.1\r\nHost: x\r\n"
+                f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            time.sleep(15)  # the sandbox floods meanwhile
+            assert watch.worst_healthz < LIVE
+    print(f"flood: daemon RSS +{watch.growth >> 20} MiB, healthz worst "
+          f"{watch.worst_healthz:.3f} s")
+    assert watch.growth < 150 << 20, f"the daemon grew by {watch.growth >> 20} MiB"
+    assert_others_fine(daemon, other)
+    assert_closed_cleanly(daemon, victim, pids)
+
+
+MALFORMED = {
+    "header-is-a-list": "s.sendall(frame(b'[1, 2, 3]'))",
+    "header-is-a-number": "s.sendall(frame(b'7'))",
+    "header-not-json": "s.sendall(frame(b'\\xff{not json'))",
+    "header-length-2**31": "s.sendall(struct.pack('!II', 2**31, 0))",
+    "rid-is-a-string": "s.sendall(frame({'rid': str(_rid()), 'ev': 'done', 'result': {}}))",
+    "data-is-a-number": "s.sendall(frame({'rid': _rid(), 'ev': 'stdout', 'data': 5}))",
+    "result-is-a-list": "s.sendall(frame({'rid': _rid(), 'ev': 'done', 'result': [1]}))",
+    "unknown-rid": "s.sendall(frame({'rid': 10**9, 'ev': 'done', 'result': {}}))",
+    "unknown-event": "s.sendall(frame({'rid': _rid(), 'ev': 'zzz'}))",
+}
+
+
+@pytest.mark.parametrize("attack", MALFORMED.values(), ids=MALFORMED.keys())
+def test_a_malformed_frame_ends_only_that_sandbox(daemon: Daemon, make: Callable[..., str],
+                                                  attack: str) -> None:
+    victim, other = make(), make()
+    pids = daemon.processes(victim)
+    code = HOSTILE + "s = _ctrl()\n" + attack + "\nimport time\ntime.sleep(20)\n"
+    started = time.monotonic()
+    reply = daemon.run(victim, code, timeout=60)
+    elapsed = time.monotonic() - started
+    # The channel is cut at once: the call ends with the REPL gone, not after user code.
+    assert reply.status_code == 410, reply.text
+    assert elapsed < LIVE, f"the bad frame was not noticed ({elapsed:.1f} s)"
+    assert daemon.run(victim, "1").status_code == 410  # that sandbox's channel is closed
+    assert_others_fine(daemon, other)
+    assert_closed_cleanly(daemon, victim, pids)
+
+
+def test_stdout_without_newlines_is_not_joined_quadratically(
+        daemon: Daemon, make: Callable[..., str]) -> None:
+    """Podflare's /exec turns output into lines: endless output without a newline must
+    cost linear work, yield the loop, and stop at the sandbox's output budget."""
+    victim, other = make(), make()
+    pids = daemon.processes(victim)
+    code = HOSTILE + (
+        "s = _ctrl()\n"
+        "blob = frame({'rid': _rid(), 'ev': 'stdout', 'data': 'y' * (1 << 16)})\n"
+        "for _ in range(4096):\n"
+        "    s.sendall(blob)\n"
+    )
+    with Watch(daemon) as watch:
+        started = time.monotonic()
+        with daemon.http.stream("POST", f"/v1/sandboxes/{victim}/exec",
+                                json={"code": code, "language": "python"}, timeout=300) as reply:
+            size = sum(len(chunk) for chunk in reply.iter_bytes())
+        elapsed = time.monotonic() - started
+    print(f"no newlines: {size >> 20} MiB streamed in {elapsed:.1f} s, healthz worst "
+          f"{watch.worst_healthz:.3f} s, RSS +{watch.growth >> 20} MiB")
+    assert watch.worst_healthz < LIVE
+    assert elapsed < 60, f"the stream took {elapsed:.0f} s"
+    assert size < 64 << 20  # cut at the budget, not all 256 MiB
+    assert_others_fine(daemon, other)
+    assert_closed_cleanly(daemon, victim, pids)
+
+
+def test_a_disconnected_client_stops_the_run(daemon: Daemon, make: Callable[..., str]) -> None:
+    """A client that goes away mid-run: the stream stops and the run is interrupted in
+    the sandbox, whose REPL then answers the next call."""
+    victim = make()
+    code = "import itertools\nfor i in itertools.count():\n    print('z' * 1000, i)\n"
+    with Watch(daemon) as watch:
+        with httpx.Client(base_url=daemon.url, timeout=60,
+                          headers={"Authorization": f"Bearer {API_KEY}"}) as client, \
+                client.stream("POST", f"/v1/sandboxes/{victim}/run_code",
+                              json={"code": code}) as reply:
+            assert reply.status_code == 200
+            lines = reply.iter_lines()
+            for _ in range(100):
+                next(lines)
+        # The client is gone now.
+        started = time.monotonic()
+        after = daemon.run(victim, "x = 'still here'\nx", timeout=60)
+        elapsed = time.monotonic() - started
+    assert after.status_code == 200, after.text
+    assert "still here" in after.text
+    assert elapsed < LIVE, f"the abandoned run held the REPL for {elapsed:.0f} s"
+    assert watch.worst_healthz < LIVE
+
+
+def test_an_unread_download_is_paced_by_its_reader(daemon: Daemon,
+                                                   make: Callable[..., str]) -> None:
+    """A file read whose client stops reading: the daemon stops reading the sandbox's
+    socket (backpressure) instead of queueing the file."""
+    victim = make()
+    made = daemon.run(victim, "with open('/tmp/big', 'wb') as f:\n    f.truncate(600 << 20)")
+    assert made.status_code == 200 and "error\":null" in made.text, made.text
+    with Watch(daemon) as watch, httpx.Client(
+            base_url=daemon.url, timeout=60,
+            headers={"Authorization": f"Bearer {API_KEY}"}) as client, client.stream(
+            "GET", f"/v1/sandboxes/{victim}/files", params={"path": "/tmp/big"}) as reply:
+        assert reply.status_code == 200, reply.read()
+        next(reply.iter_raw(1 << 16))
+        time.sleep(8)  # a reader that does not read
+    print(f"unread download: daemon RSS +{watch.growth >> 20} MiB")
+    assert watch.growth < 150 << 20, f"the daemon grew by {watch.growth >> 20} MiB"
+    # The abandoned read is drained and the sandbox serves again.
+    started = time.monotonic()
+    assert daemon.run(victim, "1 + 1", timeout=60).status_code == 200
+    assert time.monotonic() - started < LIVE
