@@ -1,32 +1,57 @@
 /*
- * bb-init: PID 1 of a sandbox's command PID namespace (Q).
+ * bb-init: a sandbox's command PID namespace (Q), its init, and the spawner
+ * that starts every command in it.
  *
- * Started by the sandbox's REPL with posix_spawn (vfork + exec) right after it
- * unshared Q, instead of fork(): a fork would copy the page tables of the
- * whole REPL, which for a REPL holding a gigabyte of Python objects costs as
- * much as the fork of the REPL itself. Statically linked, so it runs on any
- * image.
+ * Started by the sandbox's REPL with posix_spawn (vfork + exec): a fork
+ * would copy the page tables of the whole REPL, which for a REPL holding a
+ * gigabyte of Python objects costs as much as the fork of the REPL itself.
+ * Statically linked, so it runs on any image.
  *
- *   bb-init PROC_DIR READY_FD [CGROUP_FD...]
+ *   bb-init PROC_DIR READY_FD SPAWN_FD [CGROUP_FD...]
+ *
+ * Why a spawner: the REPL stays in its family's PID namespace P and never
+ * changes its own pid_for_children, so P can belong to the host's user
+ * namespace, where sandbox root has no capability: no process of a family
+ * can mount a proc of P (which would show, and open the files and memory
+ * of, every sibling branch) or setns into it. This process is the one that
+ * unshares Q, and it keeps Q as its pid_for_children for good.
  *
  * 1. dies with the REPL that started it (which tears down every command);
- * 2. joins the sandbox's commands cgroup (fds opened by the daemon);
- * 3. mounts /proc for Q at PROC_DIR: only a process inside Q can, because a
- *    proc mount shows the PID namespace of the process that mounts it;
- * 4. writes one NUL byte to READY_FD (or an error message), closes every fd;
- * 5. reaps orphans forever.
+ * 2. joins the sandbox's commands cgroup (fds opened by the daemon), which
+ *    every command it starts inherits;
+ * 3. unshares Q and forks Q's init, which mounts /proc for Q at PROC_DIR
+ *    (only a process inside Q can: a proc mount shows the PID namespace of
+ *    the process that mounts it), then reaps orphans forever;
+ * 4. writes one NUL byte to READY_FD (or an error message);
+ * 5. serves SPAWN_FD (SOCK_SEQPACKET): each message carries four fds —
+ *    stdin, stdout, stderr, and a memfd holding "cwd\0argv...\0\0env...\0" —
+ *    and is answered with "pid errno step" once the command has exec'd (pid
+ *    > 0) or failed (step 1: chdir, 2: exec). Commands are cloned with
+ *    CLONE_PARENT, so they are the REPL's children (it waits for them) and,
+ *    being born here, live in Q. The REPL's user code can send requests too:
+ *    they start processes in the same sandbox, nothing more, and a malformed
+ *    one is refused.
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#define MAX_REQUEST (8 << 20) /* argv + env: above the kernel's ARG_MAX default */
+#define MAX_STRINGS 65536
+
+extern char **environ;
 static int ready_fd = -1;
 
 static int fail(const char *what) {
@@ -34,25 +59,21 @@ static int fail(const char *what) {
     return 1;
 }
 
-int main(int argc, char **argv) {
-    if (argc < 3)
-        return 2;
-    ready_fd = atoi(argv[2]);
-    if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0)
-        return fail("prctl(PR_SET_PDEATHSIG)");
-    for (int i = 3; i < argc; i++) {
-        int fd = atoi(argv[i]);
-        if (write(fd, "0", 1) != 1)
-            return fail("joining the commands cgroup");
-        close(fd);
-    }
-    if (mount("proc", argv[1], "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) != 0)
-        return fail("mounting /proc");
-    if (write(ready_fd, "", 1) != 1)
-        return 1;
-    for (int fd = 0; fd < 1024; fd++)
-        close(fd);
+static void close_from(int low) {
+    syscall(SYS_close_range, low, ~0U, 0);
+}
 
+static void q_init(const char *proc_dir, int status_w) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (mount("proc", proc_dir, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) != 0) {
+        dprintf(status_w, "mounting /proc: %s", strerror(errno));
+        _exit(1);
+    }
+    if (write(status_w, "", 1) != 1)
+        _exit(1);
+    for (int fd = 0; fd < 3; fd++)
+        close(fd);
+    close_from(3);
     sigset_t chld;
     sigemptyset(&chld);
     sigaddset(&chld, SIGCHLD);
@@ -63,4 +84,195 @@ int main(int argc, char **argv) {
         while (waitpid(-1, NULL, WNOHANG) > 0)
             ;
     }
+}
+
+/* Split a request into cwd, argv and envp (pointers into buf); 0 if malformed. */
+static int parse(char *buf, size_t len, char **cwd, char ***argv, char ***envp) {
+    if (len == 0 || buf[len - 1] != '\0')
+        return 0;
+    size_t count = 0;
+    for (size_t i = 0; i < len; i++)
+        count += buf[i] == '\0';
+    if (count > MAX_STRINGS)
+        return 0;
+    char **list = calloc(count + 2, sizeof(char *));
+    if (!list)
+        return 0;
+    char *p = buf, *end = buf + len;
+    *cwd = p;
+    p += strlen(p) + 1;
+    size_t n = 0;
+    *argv = list;
+    while (p < end && *p)
+        list[n++] = p, p += strlen(p) + 1;
+    if (n == 0 || p >= end) {
+        free(list);
+        return 0;
+    }
+    list[n++] = NULL;
+    p++; /* the empty string that ends argv */
+    *envp = list + n;
+    while (p < end)
+        list[n++] = p, p += strlen(p) + 1;
+    list[n] = NULL;
+    return 1;
+}
+
+static void child(int fds[4], int err_w, char *cwd, char **argv, char **envp) {
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    signal(SIGPIPE, SIG_DFL);
+    setsid(); /* its own session and process group: a kill reaches all it started */
+    for (int i = 0; i < 3; i++)
+        if (dup2(fds[i], i) < 0)
+            _exit(127);
+    if (dup2(err_w, 3) < 0)
+        _exit(127);
+    fcntl(3, F_SETFD, FD_CLOEXEC);
+    close_from(4);
+    int step = 1;
+    if (chdir(cwd) == 0) {
+        step = 2;
+        environ = envp;
+        execvp(argv[0], argv);
+    }
+    int report[2] = {errno, step};
+    if (write(3, report, sizeof report) < 0)
+        _exit(127);
+    _exit(127);
+}
+
+static void answer(int sock, long pid, int err, int step) {
+    char line[64];
+    int n = snprintf(line, sizeof line, "%ld %d %d", pid, err, step);
+    send(sock, line, n, MSG_NOSIGNAL);
+}
+
+static void spawn_one(int sock, int fds[4]) {
+    struct stat st;
+    char *buf = NULL, *cwd, **argv, **envp;
+    if (fstat(fds[3], &st) != 0 || st.st_size <= 0 || st.st_size > MAX_REQUEST ||
+        !(buf = malloc(st.st_size))) {
+        answer(sock, -1, EINVAL, 0);
+        return;
+    }
+    if (pread(fds[3], buf, st.st_size, 0) != st.st_size ||
+        !parse(buf, st.st_size, &cwd, &argv, &envp)) {
+        free(buf);
+        answer(sock, -1, EINVAL, 0);
+        return;
+    }
+    int err[2];
+    if (pipe2(err, O_CLOEXEC) != 0) {
+        answer(sock, -1, errno, 0);
+        free(buf);
+        free(argv);
+        return;
+    }
+    long pid = syscall(SYS_clone, CLONE_PARENT | SIGCHLD, 0, 0, 0, 0);
+    if (pid == 0) {
+        close(err[0]);
+        child(fds, err[1], cwd, argv, envp);
+    }
+    int saved = errno;
+    close(err[1]);
+    int report[2] = {0, 0};
+    if (pid < 0) {
+        report[0] = saved;
+    } else {
+        ssize_t got;
+        do
+            got = read(err[0], report, sizeof report);
+        while (got < 0 && errno == EINTR);
+        if (got != sizeof report)
+            report[0] = report[1] = 0; /* EOF: the exec happened */
+    }
+    close(err[0]);
+    free(buf);
+    free(argv);
+    answer(sock, pid, report[0], report[1]);
+}
+
+static void serve(int sock) {
+    for (;;) {
+        char byte;
+        char control[CMSG_SPACE(8 * sizeof(int))];
+        struct iovec iov = {&byte, 1};
+        struct msghdr msg = {0};
+        msg.msg_iov = &iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control;
+        msg.msg_controllen = sizeof control;
+        ssize_t got = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got <= 0)
+            _exit(0); /* the REPL is gone */
+        int fds[8], nfds = 0;
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+            if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+                continue;
+            int n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+            for (int i = 0; i < n && nfds < 8; i++)
+                memcpy(&fds[nfds++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        }
+        if (nfds == 4 && !(msg.msg_flags & MSG_CTRUNC))
+            spawn_one(sock, fds);
+        else
+            answer(sock, -1, EINVAL, 0);
+        for (int i = 0; i < nfds; i++)
+            close(fds[i]);
+    }
+}
+
+int main(int argc, char **argv) {
+    if (argc < 4)
+        return 2;
+    ready_fd = atoi(argv[2]);
+    int sock = atoi(argv[3]);
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0)
+        return fail("prctl(PR_SET_PDEATHSIG)");
+    for (int i = 4; i < argc; i++) {
+        int fd = atoi(argv[i]);
+        if (write(fd, "0", 1) != 1)
+            return fail("joining the commands cgroup");
+        close(fd);
+    }
+    if (unshare(CLONE_NEWPID) != 0)
+        return fail("unshare(CLONE_NEWPID)");
+    int status[2];
+    if (pipe2(status, O_CLOEXEC) != 0)
+        return fail("pipe");
+    pid_t init = fork();
+    if (init < 0)
+        return fail("forking Q's init");
+    if (init == 0) {
+        close(status[0]);
+        q_init(argv[1], status[1]);
+    }
+    close(status[1]);
+    char why[512];
+    ssize_t got = read(status[0], why, sizeof why - 1);
+    close(status[0]);
+    if (got != 1 || why[0] != '\0') {
+        if (got <= 0)
+            dprintf(ready_fd, "Q's init died before mounting /proc");
+        else
+            dprintf(ready_fd, "%.*s", (int)got, why);
+        return 1;
+    }
+    if (write(ready_fd, "", 1) != 1)
+        return 1;
+    signal(SIGPIPE, SIG_IGN);
+    /* Nothing of the REPL's: stdio on /dev/null (so received fds never land on 0-2),
+     * every other fd but the socket closed. */
+    int null = open("/dev/null", O_RDWR);
+    for (int fd = 0; fd < 3; fd++)
+        dup2(null, fd);
+    if (sock > 3)
+        syscall(SYS_close_range, 3, sock - 1, 0);
+    close_from(sock + 1);
+    fcntl(sock, F_SETFD, FD_CLOEXEC);
+    serve(sock);
 }

@@ -28,12 +28,12 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from functools import partial
-from typing import IO
+from typing import IO, Protocol
 
 from . import protocol
 from .server import Agent, OutputLimit, RequestError, Timer, output_limit, param, timeout_param
+from .spawner import spawn
 
 _READ_SIZE = 64 * 1024
 # After exit, read at most this much more from a pipe. What the process itself wrote fits in
@@ -46,6 +46,17 @@ _POLL_INTERVAL = 0.05
 # up to six times longer than its bytes; the result is cut to stay below the frame limit.
 _RESULT_BUDGET = protocol.MAX_HEADER - 1024 * 1024
 _NOT_FOUND = b"command not found"
+
+
+class Process(Protocol):
+    """What a command's process offers: a ``Popen``, or a ``spawner.Spawned``."""
+
+    pid: int
+    stdout: IO[bytes] | None
+    stderr: IO[bytes] | None
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
 
 
 class _Stream:
@@ -65,7 +76,7 @@ class Command:
     def __init__(
         self,
         table: Commands,
-        proc: subprocess.Popen,
+        proc: Process,
         display: str,
         *,
         shell: bool,
@@ -244,10 +255,7 @@ def _fit(
         stdout, stderr = cut_out, cut_err
 
 
-SpawnContext = Callable[[], AbstractContextManager[Callable[[int], None] | None]]
-
-
-def _spawn(req: dict, spawning: SpawnContext | None) -> tuple[subprocess.Popen, str, bool]:
+def _spawn(req: dict, spawner: Callable[[], int] | None) -> tuple[Process, str, bool]:
     """Start the command of an exec request; returns (process, display text, via bash?)."""
     cmd = req.get("cmd")
     if isinstance(cmd, str) and cmd:
@@ -264,8 +272,11 @@ def _spawn(req: dict, spawning: SpawnContext | None) -> tuple[subprocess.Popen, 
     env = param(req, "env", dict, {})
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise RequestError("InvalidRequest", "field 'env' must map strings to strings")
+    sock = spawner() if spawner else -1
     try:
-        with spawning() if spawning else contextlib.nullcontext(None) as adopt:
+        if sock >= 0:
+            proc: Process = spawn(sock, argv, cwd, {**os.environ, **env})
+        else:  # the agent run bare, outside a sandbox
             proc = subprocess.Popen(
                 argv,
                 cwd=cwd,
@@ -276,8 +287,6 @@ def _spawn(req: dict, spawning: SpawnContext | None) -> tuple[subprocess.Popen, 
                 bufsize=0,
                 start_new_session=True,
             )
-            if adopt is not None:
-                adopt(proc.pid)
     except ValueError as exc:  # NUL in an argument, "=" in a variable name
         raise RequestError("InvalidRequest", str(exc)) from exc
     except OSError as exc:
@@ -294,14 +303,11 @@ def _spawn(req: dict, spawning: SpawnContext | None) -> tuple[subprocess.Popen, 
 class Commands:
     """This process's commands, and the handlers of exec, wait, kill and ps."""
 
-    def __init__(self, agent: Agent, spawning: SpawnContext | None = None) -> None:
-        """``spawning()`` is entered around each command's start: it may switch the PID
-        namespace new processes are born in, and yields ``adopt(pid)``, called once the
-        command exists (to move it into the sandbox's commands cgroup). Hooks around the
-        spawn rather than a preexec_fn, because a preexec_fn stops Popen from using vfork,
-        and fork() of a large REPL costs milliseconds per command."""
+    def __init__(self, agent: Agent, spawner: Callable[[], int] | None = None) -> None:
+        """``spawner()`` gives the socket of the sandbox's spawner (see ``spawner.py``), or
+        -1 outside a sandbox, where commands are started with Popen."""
         self.agent = agent
-        self.spawning = spawning
+        self.spawner = spawner
         self.background: dict[int, Command] = {}  # until a wait has collected the result
         self.foreground: set[Command] = set()
         agent.at_fork(self._forget)
@@ -312,7 +318,7 @@ class Commands:
         background = param(req, "background", bool, False)
         timeout = timeout_param(req)
         limit = output_limit(req)
-        proc, display, shell = _spawn(req, self.spawning)
+        proc, display, shell = _spawn(req, self.spawner)
         command = Command(
             self,
             proc,

@@ -8,7 +8,17 @@ namespaces, unshare, setns for its commands — the REPL itself needs those to
 set up fork children), and loses what only reaches the kernel or other
 processes' memory: ptrace and its relatives, kernel modules and kexec, BPF,
 perf events, keyrings, file handles (open_by_handle_at can escape a mount),
-and setns into anything but a PID namespace.
+and setns (nothing in a sandbox needs it: commands are born in their
+namespace by bb-init).
+
+Mount flags the daemon set (nodev, nosuid, ro) must hold: the trees it hands
+a sandbox are attached inside the sandbox's own mount namespace, where the
+kernel does not lock their flags, so sandbox root could otherwise clear
+nodev on a workspace and use a device node it holds. Every way to change
+the flags of an existing mount is refused: ``mount`` with MS_REMOUNT,
+``mount_setattr`` and ``fspick`` (reconfigure a superblock). A bind or a
+clone of a mount keeps its flags, and a filesystem mounted from inside a
+user namespace is nodev by the kernel's own rule.
 """
 
 from __future__ import annotations
@@ -31,11 +41,17 @@ _LD_W_ABS = 0x20
 _JEQ_K = 0x15
 _RET_K = 0x06
 
-# struct seccomp_data offsets
-_NR, _ARCH, _ARG1_LOW = 0, 4, 24
+_JSET_K = 0x45
 
-_SYS_SETNS = 308
+# struct seccomp_data offsets
+_NR, _ARCH, _ARG3_LOW = 0, 4, 40
+
+_SYS_MOUNT = 165
+_MS_REMOUNT = 0x20
 DENIED = {
+    "setns": 308,
+    "mount_setattr": 442,
+    "fspick": 433,
     "ptrace": 101,
     "process_vm_readv": 310,
     "process_vm_writev": 311,
@@ -76,9 +92,9 @@ def _program() -> bytes:
     for nr in DENIED.values():
         prog += [_insn(_JEQ_K, 0, 1, nr), _insn(_RET_K, 0, 0, eperm)]
     prog += [
-        _insn(_JEQ_K, 0, 3, _SYS_SETNS),
-        _insn(_LD_W_ABS, 0, 0, _ARG1_LOW),
-        _insn(_JEQ_K, 1, 0, sysc.CLONE_NEWPID),
+        _insn(_JEQ_K, 0, 3, _SYS_MOUNT),
+        _insn(_LD_W_ABS, 0, 0, _ARG3_LOW),  # mount's flags
+        _insn(_JSET_K, 0, 1, _MS_REMOUNT),
         _insn(_RET_K, 0, 0, eperm),
         _insn(_RET_K, 0, 0, _SECCOMP_RET_ALLOW),
     ]

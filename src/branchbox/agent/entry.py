@@ -8,19 +8,19 @@ order matters:
 
 1. join the sandbox's cgroups (fds opened by the daemon), so everything the
    sandbox later starts is limited and killable as one;
-2. unshare mount, network, UTS, IPC and PID namespaces (the new PID namespace
-   Q is for the sandbox's commands; the REPL itself stays flat in P, and
-   after Q's init exists it points pid_for_children back at P, because no
-   thread can be created while pid_for_children differs from the process's
-   own namespace — commands are started in Q explicitly);
+2. unshare mount, network, UTS and IPC namespaces (not PID: the REPL stays
+   flat in P and never changes its pid_for_children, so P can belong to the
+   host's user namespace, out of reach of sandbox root — see step 6);
 3. make every mount private, so nothing propagates back to the parent;
 4. hostname = sandbox id, loopback up;
 5. attach the root tree the daemon built (a detached overlay mount), and
    inside it any further trees (a workspace at its host path);
-6. spawn Q's init (``bb_init.c``), which mounts the new /proc (a proc mount
+6. spawn ``bb-init`` (``bb_init.c``): it unshares the sandbox's command PID
+   namespace Q, forks Q's init, which mounts the new /proc (a proc mount
    shows the PID namespace of the process that mounts it) — before the old
    root is detached, because inside a user namespace the kernel refuses a
-   proc mount unless another proc mount is fully visible;
+   proc mount unless another proc mount is fully visible — and then starts
+   every command of the sandbox in Q on the REPL's request;
 7. a minimal /dev (tmpfs + binds of the harmless character devices, devpts);
 8. pivot_root into the tree and detach the old root.
 """
@@ -107,13 +107,14 @@ def enter_sandbox(
     cmds_cgroup_fds: list[int],
     mounts: list[tuple[int, str]] = (),
 ) -> int:
-    """Turn the calling process into a sandbox's REPL process; returns Q's init pid.
+    """Turn the calling process into a sandbox's REPL process; returns the fd of its
+    spawner socket (close-on-exec), through which it starts commands in Q.
 
     ``attach`` is an empty directory of the current root where the tree is
-    attached before pivoting. ``tree_fd`` and ``repl_cgroup_fds`` are consumed;
-    ``cmds_cgroup_fds`` stay open: the REPL puts every command it starts there.
-    ``mounts`` are more detached trees (fd, absolute path in the sandbox) to attach
-    inside the root — a workspace; their fds are consumed too.
+    attached before pivoting. Every fd given is consumed: ``tree_fd``,
+    ``repl_cgroup_fds``, ``cmds_cgroup_fds`` (bb-init joins them, and every command
+    it starts inherits them) and ``mounts``, more detached trees (fd, absolute path
+    in the sandbox) to attach inside the root — a workspace.
     """
     for fd in repl_cgroup_fds:  # 1
         os.write(fd, b"0")
@@ -123,7 +124,6 @@ def enter_sandbox(
         | sysc.CLONE_NEWNET
         | sysc.CLONE_NEWUTS  # 2
         | sysc.CLONE_NEWIPC
-        | sysc.CLONE_NEWPID
     )
     sysc.mount(None, "/", None, sysc.MS_REC | sysc.MS_PRIVATE)  # 3
     socket.sethostname(hostname)  # 4
@@ -137,29 +137,26 @@ def enter_sandbox(
     # this directory, and pivot_root moves only roots and cwds equal to the old root.
     os.chdir(attach)
     ready_r, ready_w = os.pipe()  # 6
+    spawner, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     init = attach + AGENT_DIR + "/bb-init"
-    # Q's init is spawned (vfork + exec), never forked: a fork would copy the page
-    # tables of this whole process, which may hold gigabytes. It gets its fds by number.
-    handed = [ready_w, *cmds_cgroup_fds]
+    # bb-init is spawned (vfork + exec), never forked: a fork would copy the page tables
+    # of this whole process, which may hold gigabytes. It gets its fds by number.
+    handed = [ready_w, theirs.fileno(), *cmds_cgroup_fds]
     for fd in handed:
         os.set_inheritable(fd, True)
     try:
-        init_pid = os.posix_spawn(init, [init, attach + "/proc", *map(str, handed)], {})
+        os.posix_spawn(init, [init, attach + "/proc", *map(str, handed)], {})
     finally:
-        for fd in cmds_cgroup_fds:
-            os.set_inheritable(fd, False)
-    os.close(ready_w)
-    # Back to P for everything else the REPL starts: the kernel refuses to create
-    # threads while pid_for_children differs from the process's own PID namespace.
-    own = os.pidfd_open(os.getpid())
-    sysc.setns(own, sysc.CLONE_NEWPID)
-    os.close(own)
+        for fd in handed:
+            os.close(fd)
+        theirs.detach()
     answer = os.read(ready_r, 4096)
     os.close(ready_r)
     if answer != b"\0":
-        raise OSError(answer.decode(errors="replace") or "Q init died before mounting /proc")
+        spawner.close()
+        raise OSError(answer.decode(errors="replace") or "bb-init died before mounting /proc")
     _mount_dev(attach)  # 7
     sysc.pivot_root(attach, attach + OLD_ROOT)  # 8
     os.chdir("/")
     sysc.umount2(OLD_ROOT, sysc.MNT_DETACH)
-    return init_pid
+    return spawner.detach()

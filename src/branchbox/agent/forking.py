@@ -7,16 +7,18 @@ itself up while the daemon prepares the next; the REPL runs nothing else in
 between, so every child starts from the same instant. With the first slot the
 REPL:
 
-1. looks at its own fds and thread count through a private, momentary mount
-   of its family's /proc (its regular /proc shows the command namespace Q,
-   where the REPL itself does not appear);
+1. learns what its fds are and how many threads it has from the first slot
+   itself: the daemon reads them from the host's /proc. The REPL cannot look
+   itself: its /proc shows the command namespace Q, where it does not
+   appear, and a proc of the family namespace P is what must stay out of
+   every branch's reach (it would open its siblings' files and memory);
 2. freezes the garbage collector's view of every live object (``gc.freeze``,
    so no collection ever writes to the shared pages).
 
-Then, per slot, it ``fork()``s, relying on ``pid_for_children`` being the
-family namespace P (it is, except while a command starts: see
-:func:`command_spawning`), so children are flat in P — a namespace per
-generation would stop at 32 levels and tie a child's life to its parent's.
+Then, per slot, it ``fork()``s; its ``pid_for_children`` is always the family
+namespace P (commands are born in Q through the spawner, see ``bb_init.c``),
+so children are flat in P — a namespace per generation would stop at 32
+levels and tie a child's life to its parent's.
 Memory is shared copy-on-write by the kernel: nothing is serialized. Each
 child enters its sandbox (``entry``), restores the working directory,
 re-opens inherited files and directories in its own root at the same offsets
@@ -31,12 +33,9 @@ import contextlib
 import ctypes
 import gc
 import os
-import re
 import signal
 import socket
-import stat
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from . import entry, protocol, sysc
@@ -80,9 +79,7 @@ class _Batch:
 
 @dataclass
 class _State:
-    qinit_pidfd: int = -1  # Q's init: setns() to it makes new processes commands
-    family_pidfd: int = -1  # ourselves: setns() to it makes new processes land in P
-    cmds_cgroup: list[int] = field(default_factory=list)
+    spawner: int = -1  # socket to bb-init, which starts this sandbox's commands in Q
     batch: _Batch | None = None  # a fork in progress (between the first slot and "fork")
     warning: str | None = None
 
@@ -90,37 +87,20 @@ class _State:
 STATE = _State()
 
 
-def boot(ctrl_fd: int, qinit_pid: int, cmds_cgroup: list[int]) -> None:
+def boot(ctrl_fd: int, spawner_fd: int) -> None:
     """Entry point of a family's first REPL, right after exec into the image's python3."""
-    STATE.qinit_pidfd = os.pidfd_open(qinit_pid)
-    STATE.family_pidfd = os.pidfd_open(os.getpid())
-    STATE.cmds_cgroup = list(cmds_cgroup)
-    for fd in (ctrl_fd, *cmds_cgroup):
+    STATE.spawner = spawner_fd
+    for fd in (ctrl_fd, spawner_fd):
         os.set_inheritable(fd, False)
     from .main import run
 
     run(ctrl_fd)
 
 
-@contextlib.contextmanager
-def command_spawning() -> Iterator[Callable[[int], None]]:
-    """Around the start of a command: born in Q (the sandbox's command namespace), then
-    moved into the cmds cgroup. The REPL's own default stays P, because the kernel refuses
-    to create threads while a process's pid_for_children differs from its own namespace."""
-    if STATE.qinit_pidfd < 0:  # not inside a sandbox (the agent run bare, as in its tests)
-        yield _adopt
-        return
-    sysc.setns(STATE.qinit_pidfd, sysc.CLONE_NEWPID)
-    try:
-        yield _adopt
-    finally:
-        sysc.setns(STATE.family_pidfd, sysc.CLONE_NEWPID)
-
-
-def _adopt(pid: int) -> None:
-    for fd in STATE.cmds_cgroup:
-        with contextlib.suppress(ProcessLookupError):  # it may already have exited
-            os.write(fd, str(pid).encode())
+def spawner_fd() -> int:
+    """The socket commands are started through, or -1 outside a sandbox (the agent run
+    bare, as in its tests, starts them itself)."""
+    return STATE.spawner
 
 
 def take_warning() -> str | None:
@@ -132,7 +112,8 @@ def take_warning() -> str | None:
 def handle_fork_slot(agent, req: dict, payload: bytes, fds: list[int]) -> None:
     """Fork one child now. fds = [root tree, control socket, *repl cgroup, *cmds cgroup,
     *trees to attach at ``req["mounts"]`` (paths)]. The first slot of a fork opens the
-    batch; "fork" closes it."""
+    batch; "fork" closes it. The first slot also carries ``inherit``: the REPL's fds
+    and thread count as the daemon read them from the host's /proc."""
     nrepl, ncmds, paths = int(req["nrepl"]), int(req["ncmds"]), list(req.get("mounts", ()))
     if len(fds) != 2 + nrepl + ncmds + len(paths):
         for fd in fds:
@@ -144,7 +125,7 @@ def handle_fork_slot(agent, req: dict, payload: bytes, fds: list[int]) -> None:
     slot = _Slot(req["id"], fds[0], fds[1], fds[2:repl_end], fds[repl_end:cmds_end], mounts)
     parent = os.getpid()
     try:
-        batch = STATE.batch or _open_batch(agent, slot)
+        batch = STATE.batch or _open_batch(agent, slot, req.get("inherit") or {})
         pid = _fork_flat()  # born in P: pid_for_children is P outside command_spawning
         if pid == 0:
             _become_child(agent, slot, batch)
@@ -157,10 +138,11 @@ def handle_fork_slot(agent, req: dict, payload: bytes, fds: list[int]) -> None:
     agent.done(req["rid"], {"pid": pid})
 
 
-def _open_batch(agent, slot: _Slot) -> _Batch:
+def _open_batch(agent, slot: _Slot, inherit: dict) -> _Batch:
     started = time.perf_counter()
     skip = {agent.sock.fileno(), *_inherited(), *slot.fds()}
-    reopen, close, threads = _inspect_fds(skip)
+    reopen, close = plan_fds(inherit.get("fds") or [], skip)
+    threads = int(inherit.get("threads") or 1)
     # Objects alive now move to the permanent generation: the cyclic GC never walks
     # them again, in the children or here, so it never writes to (and so copies) the
     # pages they share. A full collection would otherwise copy the whole heap per child.
@@ -171,7 +153,7 @@ def _open_batch(agent, slot: _Slot) -> _Batch:
 
 def _inherited() -> list[int]:
     """This REPL's own sandbox fds, which a child closes (it gets its own)."""
-    return [STATE.qinit_pidfd, STATE.family_pidfd, *STATE.cmds_cgroup]
+    return [STATE.spawner] if STATE.spawner >= 0 else []
 
 
 def handle_fork(agent, req: dict, payload: bytes, fds: list[int]) -> None:
@@ -184,42 +166,33 @@ def handle_fork(agent, req: dict, payload: bytes, fds: list[int]) -> None:
                             "paused": time.perf_counter() - batch.started})
 
 
-def _inspect_fds(skip: set[int]) -> tuple[list[tuple[int, str, int, int]], list[int], int]:
+def plan_fds(entries: list, skip: set[int]) -> tuple[list[tuple[int, str, int, int]], list[int]]:
     """What a child must do with each inherited fd: (fds to re-open as (fd, path, flags,
-    offset), fds to close, thread count).
+    offset), fds to close). ``entries`` are ``[fd, kind, path, flags, offset]`` as the
+    daemon read them ("file" for regular files, directories and character devices).
 
     Files, directories and devices are re-opened by path in the child's own root, so
     nothing the child does through them reaches the parent's tree. Everything else
     (sockets, pipes, pidfds, deleted files, anything without a path) is closed: a
-    channel into the parent is not something a fork may inherit.
+    channel into the parent is not something a fork may inherit. Entries that do not
+    name a live fd of this process are ignored.
     """
-    mnt = entry.AGENT_DIR + "/proc"
-    sysc.mount("proc", mnt, "proc", sysc.MS_NOSUID | sysc.MS_NODEV | sysc.MS_NOEXEC)
-    try:
-        base = f"{mnt}/{os.getpid()}"
-        with open(f"{base}/status") as f:
-            match = re.search(r"^Threads:\s+(\d+)", f.read(), re.M)
-        threads = int(match.group(1)) if match else 1
-        reopen, close = [], []
-        for name in os.listdir(f"{base}/fd"):
-            fd = int(name)
-            if fd in skip or fd <= 2:  # 0-2 are the agent's (/dev/null between calls)
-                continue
-            try:
-                mode = os.fstat(fd).st_mode
-                path = os.readlink(f"{base}/fd/{fd}")
-                with open(f"{base}/fdinfo/{fd}") as f:
-                    info = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
-            except OSError:
-                continue  # closed meanwhile (e.g. the listdir fd itself)
-            by_path = stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISCHR(mode)
-            if by_path and path.startswith("/") and not path.endswith(" (deleted)"):
-                reopen.append((fd, path, int(info["flags"].strip(), 8), int(info["pos"].strip())))
-            else:
-                close.append(fd)
-        return reopen, close, threads
-    finally:
-        sysc.umount2(mnt, sysc.MNT_DETACH)
+    reopen, close = [], []
+    for entry_ in entries:
+        try:
+            fd, kind, path, flags, pos = entry_
+            fd, flags, pos = int(fd), int(flags), int(pos)
+            os.fstat(fd)
+        except (TypeError, ValueError, OSError):
+            continue
+        if fd in skip or fd <= 2:  # 0-2 are the agent's (/dev/null between calls)
+            continue
+        if kind == "file" and isinstance(path, str) and path.startswith("/") \
+                and not path.endswith(" (deleted)"):
+            reopen.append((fd, path, flags, pos))
+        else:
+            close.append(fd)
+    return reopen, close
 
 
 def _reopen(reopen: list[tuple[int, str, int, int]], close: list[int]) -> None:
@@ -244,13 +217,13 @@ def _become_child(agent, slot: _Slot, batch: _Batch) -> None:
     try:
         for fd in _inherited():
             os.close(fd)
-        qinit = entry.enter_sandbox(
+        # Its own session and process group: kill(0) or a ^C to the group reaches this
+        # branch only, never the parent it was forked from.
+        os.setsid()
+        STATE.spawner = entry.enter_sandbox(
             slot.tree, entry.ATTACH, slot.sandbox_id, slot.repl_cgroup, slot.cmds_cgroup,
             slot.mounts,
         )
-        STATE.qinit_pidfd = os.pidfd_open(qinit)
-        STATE.family_pidfd = os.pidfd_open(os.getpid())
-        STATE.cmds_cgroup = slot.cmds_cgroup
         STATE.batch = None
         STATE.warning = batch.warning
         os.chdir(batch.cwd)

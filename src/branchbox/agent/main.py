@@ -12,8 +12,9 @@ import os
 import signal
 import socket
 import types
+from collections.abc import Callable
 
-from .commands import Commands, SpawnContext
+from .commands import Commands
 from .files import (
     Uploads,
     handle_exists,
@@ -23,22 +24,22 @@ from .files import (
     handle_stat,
 )
 from .forking import (
-    command_spawning,
     handle_fork,
     handle_fork_slot,
+    spawner_fd,
 )
 from .handover import handle_attach, handle_configure, handle_sethostname
 from .repl import Repl
 from .server import Agent, handle_ping
 
 
-def register_ops(agent: Agent, spawning: SpawnContext | None = None) -> None:
+def register_ops(agent: Agent, spawner: Callable[[], int] | None = None) -> None:
     """Register the ops that need no sandbox around the process (all but the fork family).
 
-    ``spawning`` is entered around the start of every ``exec`` command.
+    ``spawner()`` gives the socket commands are started through (see ``spawner.py``).
     """
     repl = Repl(agent)
-    commands = Commands(agent, spawning)
+    commands = Commands(agent, spawner)
     uploads = Uploads(agent)
     agent.register("ping", handle_ping)
     agent.register("run_code", repl.handle_run_code)
@@ -65,7 +66,7 @@ def run(ctrl_fd: int) -> None:
     # handler rather than SIG_IGN, because an ignored SIGINT would be inherited by commands.
     signal.signal(signal.SIGINT, _ignore_signal)
     agent = Agent(sock)
-    register_ops(agent, spawning=command_spawning)
+    register_ops(agent, spawner=spawner_fd)
     agent.register("fork_slot", handle_fork_slot)
     agent.register("fork", handle_fork)
     agent.register("sethostname", handle_sethostname)

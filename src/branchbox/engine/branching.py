@@ -24,6 +24,7 @@ from branchbox.engine.layers import (
 )
 from branchbox.engine.live import Body, Live, new_id
 from branchbox.engine.records import SandboxRecord
+from branchbox.runtime import procfs
 from branchbox.runtime.cgroups import Limits, SandboxCgroup
 from branchbox.runtime.channel import AgentChannel, AgentError
 from branchbox.storage import layerdiff
@@ -66,11 +67,15 @@ class Branching:
                 fresh.append(await asyncio.to_thread(self.layers.squash, lowers))
                 lowers = [fresh[-1]]
             limits = self._limits(parent.record.meta.get("memory_mb"))
+            repl = await channel.call("ping")
+            inherit = await asyncio.to_thread(procfs.inherited, pbody.cgroup.pids(),
+                                              int(repl.get("pid") or 0))
             for _ in range(n):
                 sid, body = self._prepare_child(lowers, pbody.layers, limits)
                 made.append((sid, body))
                 batch_open = True
-                answer, hello = await self._send_slot(channel, sid, body)
+                answer, hello = await self._send_slot(channel, sid, body, inherit)
+                inherit = None
                 pending += [answer, hello]
             batch_open = False
             forked = await channel.call("fork")
@@ -132,10 +137,13 @@ class Branching:
             raise
         return sid, Body(key, stack, cgroup)
 
-    async def _send_slot(self, channel: AgentChannel, sid: str, body: Body):
+    async def _send_slot(self, channel: AgentChannel, sid: str, body: Body,
+                         inherit: dict | None):
         """Hand the REPL a child's root, control socket, cgroup fds and extra mounts; it
-        forks the child on receipt. Returns two awaitables: the REPL's answer, and the
-        child's hello (request 0 on its own channel: ready, or why its set-up failed)."""
+        forks the child on receipt. The first slot of a fork also carries ``inherit``
+        (the REPL's fds, see runtime.procfs). Returns two awaitables: the REPL's answer,
+        and the child's hello (request 0 on its own channel: ready, or why its set-up
+        failed)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         body.channel = AgentChannel(ours)
         hello = _drain(body.channel.events(0, body.channel.expect(0)))  # before it can come
@@ -146,6 +154,8 @@ class Branching:
             rid, queue = channel.open_request()
             slot = {"op": "fork_slot", "rid": rid, "id": sid, "nrepl": len(repl_fds),
                     "ncmds": len(cmds_fds), "mounts": [path for _, path in mounts]}
+            if inherit is not None:
+                slot["inherit"] = inherit
             await channel.send(slot, fds=[fds[0], theirs.fileno(), *fds[1:]])
             return _drain(channel.events(rid, queue)), hello
         except BaseException:

@@ -10,15 +10,24 @@ Process tree it leaves behind (host view)::
            └─ first REPL = /usr/bin/python3 of the image running the agent
                 └─ Q init = PID 1 of the sandbox's command namespace Q
 
-Step by step: unshare the user namespace; wait until the daemon has written
-the uid/gid maps; take uid/gid 0 of the namespace (only then do the
-capabilities apply to it); unshare the PID namespace so the next fork is P's
-init; that init forks the REPL, which enters its sandbox (``agent.entry``)
-and execs the image's python3 on the agent.
+Step by step: unshare the PID namespace P while still host root, so that P
+belongs to the host's user namespace; unshare the user namespace; wait until
+the daemon has written the uid/gid maps; take uid/gid 0 of the namespace
+(only then do the capabilities apply to it); fork P's init; that init forks
+the REPL, which enters its sandbox (``agent.entry``) and execs the image's
+python3 on the agent.
+
+Why P belongs to the host: every REPL of a family is a process of P, and
+sandbox root has every capability of the family's user namespace. Were P
+owned by it, code in any branch could mount a proc of P and, through it, read
+and write its siblings' and parent's files (``/proc/PID/root``), fds and
+memory. Owned by the host, P cannot be mounted, nor entered with setns, from
+inside; the REPLs never need to (``bb_init.c`` starts commands in Q for them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -28,17 +37,18 @@ from branchbox.agent import confine, entry, sysc
 
 AGENT_BOOT = (
     "import sys; sys.path.insert(0, '/.branchbox'); "
-    "from bbagent import forking; forking.boot({ctrl}, {qinit}, {cmds})"
+    "from bbagent import forking; forking.boot({ctrl}, {spawner})"
 )
 
 
 def _first_repl(spec: dict, status_w: int) -> None:
     try:
-        cmds = spec["cmds_cgroup_fds"]
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # the agent installs its own
+        os.setsid()  # its own session and group: a kill(0) in a branch reaches that branch
         mounts = [(fd, path) for fd, path in spec["mounts"]]
-        qinit = entry.enter_sandbox(
-            spec["tree_fd"], spec["attach"], spec["hostname"], spec["repl_cgroup_fds"], cmds,
-            mounts,
+        spawner = entry.enter_sandbox(
+            spec["tree_fd"], spec["attach"], spec["hostname"], spec["repl_cgroup_fds"],
+            spec["cmds_cgroup_fds"], mounts,
         )
         os.makedirs(spec["cwd"], exist_ok=True)
         os.chdir(spec["cwd"])
@@ -48,12 +58,12 @@ def _first_repl(spec: dict, status_w: int) -> None:
         for fd in (0, 1, 2):
             os.dup2(null, fd)
         os.close(null)
-        keep = {spec["ctrl_fd"], *cmds}
+        keep = {spec["ctrl_fd"], spawner}
         for fd in keep:
             os.set_inheritable(fd, True)
         entry.close_fds_except(keep)
         confine.confine()  # inherited by every fork child and command from here on
-        code = AGENT_BOOT.format(ctrl=spec["ctrl_fd"], qinit=qinit, cmds=cmds)
+        code = AGENT_BOOT.format(ctrl=spec["ctrl_fd"], spawner=spawner)
         os.execve(spec["python"], ["python3", "-c", code], spec["env"])
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the daemon
         os.write(status_w, f"sandbox entry failed: {type(exc).__name__}: {exc}".encode())
@@ -63,6 +73,13 @@ def _first_repl(spec: dict, status_w: int) -> None:
 def _family_init(spec: dict, status_w: int) -> None:
     sysc.prctl(sysc.PR_SET_PDEATHSIG, signal.SIGKILL)
     sysc.set_process_name("bb-family")
+    # The kernel drops a signal sent to a namespace's init from inside unless the init
+    # handles it: Python's own handlers (SIGINT's KeyboardInterrupt) would let any branch
+    # take the whole family down. SIG_DFL for all of them, so none is handled.
+    for signo in signal.valid_signals():
+        if signo not in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
+            with contextlib.suppress(OSError, ValueError):
+                signal.signal(signo, signal.SIG_DFL)
     if os.fork() == 0:
         _first_repl(spec, status_w)
     os.closerange(0, 65536)
@@ -75,6 +92,7 @@ def main() -> None:
     sysc.prctl(sysc.PR_SET_PDEATHSIG, signal.SIGKILL)
     sysc.set_process_name("bb-launcher")
     try:
+        sysc.unshare(sysc.CLONE_NEWPID)  # first: P then belongs to the host's user namespace
         sysc.unshare(sysc.CLONE_NEWUSER)
         os.write(status_w, b"u")
         if os.read(go_r, 1) != b"g":
@@ -85,7 +103,6 @@ def main() -> None:
         # The kernel clears the parent-death signal when credentials change: re-arm it,
         # or a daemon that dies would leave this family running.
         sysc.prctl(sysc.PR_SET_PDEATHSIG, signal.SIGKILL)
-        sysc.unshare(sysc.CLONE_NEWPID)
         init_pid = os.fork()
     except BaseException as exc:  # noqa: BLE001
         os.write(status_w, f"family set-up failed: {type(exc).__name__}: {exc}".encode())

@@ -1,0 +1,88 @@
+"""The REPL's side of bb-init's spawner: start a command in the sandbox's command namespace.
+
+A command must be born in Q, the sandbox's command PID namespace, while the
+REPL itself stays in the family namespace P with P as its pid_for_children
+for good (see ``bb_init.c`` for why). So the REPL does not start commands
+itself: it sends bb-init the command's stdin, stdout and stderr and a memfd
+holding ``cwd\\0argv...\\0\\0env...\\0``; bb-init clones it with CLONE_PARENT
+(it is then the REPL's own child, which the REPL waits for as it would for a
+Popen) and answers once it has exec'd or failed.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from typing import IO
+
+_REPLY_TIMEOUT = 30.0  # bb-init answers as soon as the exec happened; this only guards a wedge
+
+
+class Spawned:
+    """A command started through the spawner: what ``Command`` uses of a ``Popen``."""
+
+    def __init__(self, pid: int, stdout: IO[bytes], stderr: IO[bytes]) -> None:
+        self.pid = pid
+        self.stdout = stdout
+        self.stderr = stderr
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere (user code's os.wait()): gone
+                self.returncode = -9
+            else:
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+
+def _request(argv: list[str], cwd: str, env: dict[str, str]) -> bytes:
+    """The request text; ValueError where Popen would raise it (NUL, "=" in a name)."""
+    parts = [cwd, *argv, ""]
+    for key, value in env.items():
+        if "=" in key or not key:
+            raise ValueError(f"illegal environment variable name: {key!r}")
+        parts.append(f"{key}={value}")
+    if any("\0" in part for part in parts):
+        raise ValueError("embedded null byte")
+    return b"".join(os.fsencode(part) + b"\0" for part in parts)
+
+
+def spawn(spawner: int, argv: list[str], cwd: str | None, env: dict[str, str]) -> Spawned:
+    """Start ``argv`` in Q; OSError as Popen raises it (filename = cwd or argv[0])."""
+    cwd = cwd or os.getcwd()
+    request = _request(argv, cwd, env)
+    memfd = os.memfd_create("bb-spawn", os.MFD_CLOEXEC)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    stdin = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+    sock = socket.socket(fileno=os.dup(spawner))
+    try:
+        os.write(memfd, request)
+        sock.settimeout(_REPLY_TIMEOUT)
+        socket.send_fds(sock, [b"s"], [stdin, out_w, err_w, memfd])
+        reply = sock.recv(64).split()
+    except BaseException:
+        for fd in (out_r, err_r):
+            os.close(fd)
+        raise
+    finally:
+        sock.close()
+        for fd in (memfd, stdin, out_w, err_w):
+            os.close(fd)
+    try:
+        pid, err, step = (int(x) for x in reply)
+    except ValueError:
+        pid, err, step = -1, errno.EPIPE, 0
+    if pid <= 0 or err:
+        os.close(out_r)
+        os.close(err_r)
+        if pid > 0:  # cloned, but chdir or exec failed: it has exited
+            os.waitpid(pid, 0)
+        where = cwd if step == 1 else argv[0]
+        raise OSError(err or errno.EIO, os.strerror(err or errno.EIO), where)
+    return Spawned(pid, os.fdopen(out_r, "rb", buffering=0), os.fdopen(err_r, "rb", buffering=0))

@@ -1,0 +1,73 @@
+"""What a sandbox's REPL holds, read from the host's /proc (for fork).
+
+A fork child re-opens the parent's files in its own root and drops its
+sockets and pipes, so the REPL must learn its own fds and thread count at
+fork time. It cannot look itself: its /proc shows its sandbox's command
+namespace, and the family namespace's proc is exactly what no branch may
+mount. The daemon reads them here instead and sends them with the first
+fork slot. Paths read through ``/proc/PID/fd`` of a process in another
+mount namespace are shown relative to that namespace's root, which is what
+the child needs.
+
+Only processes of the sandbox's own cgroup are looked at, so a REPL that
+reports a false pid can only point the daemon at its own processes. Work is
+bounded: at most ``MAX_FDS`` fds are described (the rest are closed in the
+child), and each is a readlink, a stat and a small read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+
+MAX_FDS = 4096
+
+
+def _status(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/status") as f:
+        return dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+
+
+def find_repl(candidates: list[int], ns_pid: int) -> int | None:
+    """The host pid of the process among ``candidates`` that is ``ns_pid`` in its family's
+    PID namespace (the REPL is one level below the host's; commands are two)."""
+    for pid in candidates:
+        with contextlib.suppress(OSError, ValueError):
+            levels = _status(pid)["NSpid"].split()
+            if len(levels) == 2 and int(levels[1]) == ns_pid:
+                return pid
+    return None
+
+
+def describe_fds(pid: int) -> dict:
+    """``{"fds": [[fd, kind, path, flags, offset], ...], "threads": n}`` of process ``pid``;
+    kind is "file" for what a child can re-open by path (regular files, directories,
+    character devices), "other" for the rest (sockets, pipes, anonymous inodes)."""
+    base = f"/proc/{pid}"
+    threads = int(_status(pid).get("Threads", "1").strip() or 1)
+    entries = []
+    for name in sorted(os.listdir(f"{base}/fd"), key=int)[:MAX_FDS]:
+        try:
+            path = os.readlink(f"{base}/fd/{name}")
+            mode = os.stat(f"{base}/fd/{name}").st_mode
+            with open(f"{base}/fdinfo/{name}") as f:
+                info = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+        except OSError:
+            continue  # closed meanwhile
+        by_path = stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISCHR(mode)
+        kind = "file" if by_path and path.startswith("/") else "other"
+        entries.append([int(name), kind, path, int(info["flags"].strip(), 8),
+                        int(info["pos"].strip())])
+    return {"fds": entries, "threads": threads}
+
+
+def inherited(candidates: list[int], ns_pid: int) -> dict:
+    """What the REPL ``ns_pid`` (among ``candidates``) holds; empty if it is not found."""
+    pid = find_repl(candidates, ns_pid)
+    if pid is None:
+        return {}
+    try:
+        return describe_fds(pid)
+    except OSError:  # it died meanwhile: the fork fails on its own
+        return {}
