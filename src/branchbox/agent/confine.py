@@ -19,6 +19,12 @@ the flags of an existing mount is refused: ``mount`` with MS_REMOUNT,
 ``mount_setattr`` and ``fspick`` (reconfigure a superblock). A bind or a
 clone of a mount keeps its flags, and a filesystem mounted from inside a
 user namespace is nodev by the kernel's own rule.
+
+Calls that act on another process by pid are allowed only on the caller
+itself (pid 0): every REPL of a family sits in the same PID namespace with
+the same credentials, so ``prlimit64(sibling, RLIMIT_CPU, 0)`` or a
+scheduler change would otherwise reach a sibling branch (signals are kept
+in their branch by Landlock, see ``entry``).
 """
 
 from __future__ import annotations
@@ -44,9 +50,22 @@ _RET_K = 0x06
 _JSET_K = 0x45
 
 # struct seccomp_data offsets
-_NR, _ARCH, _ARG3_LOW = 0, 4, 40
+_NR, _ARCH = 0, 4
 
 _SYS_MOUNT = 165
+# syscall -> (argument index, the only value allowed): "this process" for calls that take a
+# pid (0), PRIO_PROCESS/IOPRIO_WHO_PROCESS where a "which" selects what the pid means.
+_ONLY_SELF = {
+    "prlimit64": (302, ((0, 0),)),
+    "sched_setaffinity": (203, ((0, 0),)),
+    "sched_setscheduler": (144, ((0, 0),)),
+    "sched_setparam": (142, ((0, 0),)),
+    "sched_setattr": (314, ((0, 0),)),
+    "migrate_pages": (256, ((0, 0),)),
+    "move_pages": (279, ((0, 0),)),
+    "setpriority": (141, ((0, 0), (1, 0))),
+    "ioprio_set": (251, ((0, 1), (1, 0))),
+}
 _MS_REMOUNT = 0x20
 DENIED = {
     "setns": 308,
@@ -81,6 +100,11 @@ def _insn(code: int, jt: int, jf: int, k: int) -> bytes:
     return struct.pack("HBBI", code, jt, jf, k)
 
 
+def _args(index: int) -> int:
+    """Offset of the low 32 bits of syscall argument ``index`` in struct seccomp_data."""
+    return 16 + 8 * index
+
+
 def _program() -> bytes:
     eperm = _SECCOMP_RET_ERRNO | errno.EPERM
     prog = [
@@ -91,9 +115,16 @@ def _program() -> bytes:
     ]
     for nr in DENIED.values():
         prog += [_insn(_JEQ_K, 0, 1, nr), _insn(_RET_K, 0, 0, eperm)]
+    for nr, conds in _ONLY_SELF.values():
+        block = []
+        for i, (arg, value) in enumerate(conds):  # any mismatch jumps to the EPERM below
+            block += [_insn(_LD_W_ABS, 0, 0, _args(arg)),
+                      _insn(_JEQ_K, 0, 2 * (len(conds) - i) - 1, value)]
+        block += [_insn(_RET_K, 0, 0, _SECCOMP_RET_ALLOW), _insn(_RET_K, 0, 0, eperm)]
+        prog += [_insn(_JEQ_K, 0, len(block), nr), *block]
     prog += [
         _insn(_JEQ_K, 0, 3, _SYS_MOUNT),
-        _insn(_LD_W_ABS, 0, 0, _ARG3_LOW),  # mount's flags
+        _insn(_LD_W_ABS, 0, 0, _args(3)),  # mount's flags
         _insn(_JSET_K, 0, 1, _MS_REMOUNT),
         _insn(_RET_K, 0, 0, eperm),
         _insn(_RET_K, 0, 0, _SECCOMP_RET_ALLOW),

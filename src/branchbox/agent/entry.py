@@ -7,7 +7,12 @@ capabilities, and its active PID namespace is the family namespace P. The
 order matters:
 
 1. join the sandbox's cgroups (fds opened by the daemon), so everything the
-   sandbox later starts is limited and killable as one;
+   sandbox later starts is limited and killable as one; and enter a Landlock
+   domain of its own scoped for signals, so nothing in this branch can signal
+   its parent or a sibling (which are other processes of the same family
+   namespace P, with the same credentials): a fork child's domain nests in
+   its parent's. Landlock nests at most 16 deep; past that a child shares its
+   parent's domain (see the isolation notes in DESIGN.md);
 2. unshare mount, network, UTS and IPC namespaces (not PID: the REPL stays
    flat in P and never changes its pid_for_children, so P can belong to the
    host's user namespace, out of reach of sandbox root — see step 6);
@@ -27,6 +32,7 @@ order matters:
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import signal
@@ -119,6 +125,11 @@ def enter_sandbox(
     for fd in repl_cgroup_fds:  # 1
         os.write(fd, b"0")
         os.close(fd)
+    try:
+        sysc.landlock_scope_signals()
+    except OSError as exc:
+        if exc.errno != errno.E2BIG:  # nested 16 deep already: stay in the parent's domain
+            raise
     sysc.unshare(
         sysc.CLONE_NEWNS
         | sysc.CLONE_NEWNET

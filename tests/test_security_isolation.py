@@ -1,0 +1,138 @@
+"""Branches of one family cannot reach each other (issue 9, part 2), as hostile code would try.
+
+Every attack runs as user code in a fork child's REPL — the process that shares
+the family's PID namespace and credentials with its parent and siblings —
+through the public SDK against real sandboxes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from branchbox import Sandbox, SandboxError
+
+# ctypes helpers defined in the REPL; each returns the errno of a failed call, 0 on success
+_SYSCALLS = r"""
+import ctypes, os, signal
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+def _err(ret):
+    return ctypes.get_errno() if ret < 0 else 0
+
+def try_mount(source, target, fstype, flags):
+    os.makedirs(target, exist_ok=True) if target else None
+    b = lambda s: None if s is None else s.encode()
+    return _err(_libc.mount(b(source), b(target), b(fstype), ctypes.c_ulong(flags), None))
+
+def try_kill(pid, sig):
+    try:
+        os.kill(pid, sig)
+        return 0
+    except OSError as exc:
+        return exc.errno
+
+def try_setns_own_net():
+    fd = os.pidfd_open(os.getpid())  # its /proc shows another namespace: no /proc/self
+    try:
+        return _err(_libc.syscall(308, fd, 0x20000000))  # CLONE_NEWPID: the REPL once needed it
+    finally:
+        os.close(fd)
+"""
+
+
+def _family(make) -> tuple[Sandbox, Sandbox, Sandbox]:
+    parent = make()
+    parent.run_code(_SYSCALLS)
+    a, b = parent.fork(n=2)
+    return parent, a, b
+
+
+def _pid(sb: Sandbox) -> int:
+    return int(sb.run_code("os.getpid()").text)
+
+
+def _alive(sb: Sandbox) -> None:
+    assert sb.run_code("6 * 7").text == "42"
+
+
+def test_a_branch_cannot_mount_its_family_namespace_proc(make) -> None:
+    parent, a, b = _family(make)
+    b.run_code("open('/root/secret', 'w').write('b only')")
+    # A proc of the family namespace would show b's REPL and open /proc/PID/root of it.
+    assert a.run_code("try_mount('proc', '/tmp/p', 'proc', 0)").text == "1"  # EPERM
+    listing = a.run_code("sorted(os.listdir('/proc'))").text
+    assert str(_pid(b)) not in listing.split(", ") or "'" + str(_pid(b)) + "'" not in listing
+    assert not a.files.exists("/root/secret")
+
+
+def test_a_branch_cannot_enter_another_namespace(make) -> None:
+    _, a, _ = _family(make)
+    assert a.run_code("try_setns_own_net()").text == "1"  # EPERM: setns is refused outright
+
+
+def test_a_branch_cannot_signal_its_parent_or_siblings(make) -> None:
+    parent, a, b = _family(make)
+    targets = {"parent": _pid(parent), "sibling": _pid(b)}
+    for name, pid in targets.items():
+        got = a.run_code(f"try_kill({pid}, signal.SIGKILL)").text
+        assert got == "1", f"SIGKILL to the {name} from a branch: errno {got}"
+    a.run_code("try_kill(-1, signal.SIGKILL)")  # everything it may signal: only its own
+    _alive(parent)
+    _alive(b)
+
+
+def test_a_branch_cannot_take_the_family_down_through_its_init(make) -> None:
+    parent, a, b = _family(make)
+    for sig in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1"):
+        a.run_code(f"try_kill(1, signal.{sig})")
+    _alive(parent)
+    _alive(b)
+    # Even the sandbox's own REPL may not signal the family init (it is outside its domain).
+    assert parent.run_code("try_kill(1, signal.SIGINT)").text == "1"
+    _alive(parent)
+
+
+def test_a_branch_cannot_change_limits_or_scheduling_of_another(make) -> None:
+    parent, a, b = _family(make)
+    pid = _pid(b)
+    code = (
+        "import resource\n"
+        "try:\n"
+        f"    resource.prlimit({pid}, resource.RLIMIT_NOFILE, (0, 0)); r = 0\n"
+        "except OSError as exc:\n"
+        "    r = exc.errno\n"
+        "r"
+    )
+    assert a.run_code(code).text == "1"
+    prio = f"_err(_libc.setpriority(0, {pid}, 19))"
+    assert a.run_code(prio).text == "1"
+    assert a.run_code("_err(_libc.setpriority(2, 0, 19))").text == "1"  # PRIO_USER: all of uid 0
+    assert a.run_code("os.sched_setaffinity(0, {0}) or 'own'").text == "'own'"
+    assert b.run_code("import resource; resource.getrlimit(resource.RLIMIT_NOFILE)[0] > 0").text \
+        == "True"
+    _alive(b)
+
+
+def test_mount_flags_cannot_be_cleared_from_inside(make, tmp_path) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    sb = make(workspace=str(ws))
+    sb.run_code(_SYSCALLS)
+    remount = 0x20 | 0x1000  # MS_REMOUNT | MS_BIND
+    assert sb.run_code(f"try_mount(None, {str(ws)!r}, None, {remount})").text == "1"
+    assert sb.run_code(f"try_mount(None, '/', None, {remount})").text == "1"
+    # mount_setattr and fspick would change flags too
+    assert sb.run_code("_err(_libc.syscall(442, -100, b'/', 0, None, 0))").text == "1"
+    assert sb.run_code("_err(_libc.syscall(433, -100, b'/', 0))").text == "1"
+    options = sb.exec(f"grep ' {ws} ' /proc/self/mountinfo").stdout
+    assert "nodev" in options
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_kill_zero_stays_in_its_branch(make, sig) -> None:
+    parent, a, b = _family(make)
+    with pytest.raises(SandboxError):  # its own process group: it ends itself, nothing more
+        a.run_code(f"try_kill(0, signal.{sig})")
+    _alive(parent)
+    _alive(b)
