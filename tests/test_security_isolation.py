@@ -136,3 +136,17 @@ def test_kill_zero_stays_in_its_branch(make, sig) -> None:
         a.run_code(f"try_kill(0, signal.{sig})")
     _alive(parent)
     _alive(b)
+
+
+def test_fork_merge_rounds_go_on_past_the_landlock_nesting_limit(make) -> None:
+    """Landlock nests 16 domains deep; fork → merge must keep working far beyond that."""
+    sb = make()
+    sb.run_code("n = 0")
+    for _ in range(24):
+        (child,) = sb.fork(n=1)
+        child.run_code("n += 1")
+        sb.merge_into(child)
+    assert sb.run_code("n").text == "24"
+    a, b = sb.fork(n=2)
+    assert a.exec("echo ok").stdout == "ok\n"
+    assert b.run_code("n").text == "24"
