@@ -16,6 +16,7 @@ after it became a symlink.
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import shutil
@@ -27,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from branchbox import SandboxError
+from branchbox.agent import sysc
 from branchbox.storage import journal
 from branchbox.storage import workspace_commit as wc
 
@@ -270,3 +272,22 @@ def test_host_symlinks_committed_earlier_are_replaced_never_followed(
     assert stat.S_ISDIR(os.lstat(host / "out").st_mode)
     assert (host / "out/planted").read_text() == "through the link?\n"
     assert {"out", "out/planted"} <= set(result.changed)
+
+
+def test_a_mount_inside_the_workspace_is_never_written_through(tmp_path: Path) -> None:
+    """Commit stays on the workspace's own filesystem: a delta under a mount point in the
+    host directory is refused, and nothing reaches the mounted filesystem."""
+    layer, host = tmp_path / "upper", tmp_path / "host"
+    (host / "mnt").mkdir(parents=True)
+    (layer / "mnt").mkdir(parents=True)
+    (layer / "mnt/planted").write_text("across a mount?\n")
+    (layer / "fine.txt").write_text("fine\n")
+    sysc.mount("tmpfs", str(host / "mnt"), "tmpfs", 0, "size=1m")
+    try:
+        with pytest.raises(OSError) as caught:
+            wc.commit([layer], host, since=float("inf"))
+        assert caught.value.errno == errno.EXDEV
+        assert list((host / "mnt").iterdir()) == []
+    finally:
+        sysc.umount2(str(host / "mnt"))
+    assert sorted(p.name for p in host.iterdir()) == ["mnt"]  # refused before any change

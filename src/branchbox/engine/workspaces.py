@@ -54,6 +54,13 @@ class Workspaces:
 
         First commit wins: a branch that started from an older version of the
         directory (a sibling committed first) gets StaleBranch and nothing changes.
+
+        Returns ``workspace``, ``changed`` (relative paths), ``bytes``, ``version``,
+        and what the host was protected from: ``stripped`` (``[{"path", "bits":
+        ["setuid"|"setgid", ...]}]``: committed without those bits) and ``refused``
+        (``[{"path", "kind": "fifo"|"socket"|"char device"|"block device"}]``: not
+        created; the host keeps what it had there). New entries are owned by the
+        workspace directory's owner, replaced ones keep the host owner they had.
         """
         sb = self.get(sandbox_id)
         branch = sb.body.layers.workspace

@@ -336,12 +336,18 @@ def _plan(delta: Changes, host: int, since: float) -> _Plan:
         try:
             st = None if absent else lstat_beneath(host, op.path)
         except OSError as exc:
-            if exc.errno not in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV):
+            if exc.errno == errno.EXDEV:
+                raise OSError(errno.EXDEV, "below a mount point in the workspace; cannot "
+                              "commit", op.path) from None
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
                 raise
-            conflicts.append(op.path)  # a parent is no longer a directory of this mount
+            conflicts.append(op.path)  # a parent is no longer a directory on the host
             continue
         mode = op.mode & ~SETID
         if st is not None:
+            if st.st_dev != host_st.st_dev:
+                raise OSError(errno.EXDEV, "a mount point in the workspace; cannot commit",
+                              op.path)
             if op.kind == "dir" and stat.S_ISDIR(st.st_mode):
                 mode |= op.mode & st.st_mode & SETID  # keep the host's own setid bits only
                 if op.mode & SETID & ~st.st_mode:
