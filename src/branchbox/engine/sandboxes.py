@@ -89,7 +89,15 @@ class Engine(WarmPool, Branching, Workspaces):
         self._unfavor = favor_dynamic_moves(cfg.data_dir / "run" / "cgroup-favor")
         self._reap_leftovers()
         self.store = choose_backend(cfg.data_dir, cfg.storage)
-        self.layers = Layers(self.store.backend, self.store.root)
+        self.layers = Layers(
+            self.store.backend, self.store.root,
+            set_limit=self.store.set_limit if self.store.quota else None,
+            disk_bytes=cfg.disk_mb << 20 if cfg.disk_mb > 0 else None)
+        if self.store.quota:
+            log.info("disk limits: %s, default %s", self.store.quota,
+                     f"{cfg.disk_mb} MiB" if cfg.disk_mb > 0 else "none")
+        else:
+            log.warning("no per-sandbox disk limits: %s", self.store.no_quota)
         self._clear_volumes()
         self.agent_layer = rootfs.prepare_agent_layer(cfg.data_dir / "agent-layer")
         self._idmap_userns = rootfs.idmap_userns()
@@ -163,6 +171,8 @@ class Engine(WarmPool, Branching, Workspaces):
             "hostname": rec.id,
             "address": "127.0.0.1 (loopback only)",
             "layers": len(sb.body.layers.frozen),
+            "disk_mb": None if sb.body.layers.disk_bytes is None
+            else sb.body.layers.disk_bytes >> 20,
             "resources": usage,
             "last_fork": sb.last_fork,
         }
@@ -183,6 +193,18 @@ class Engine(WarmPool, Branching, Workspaces):
         mb = memory_mb or self.config.memory_mb
         return Limits(memory_bytes=mb * 1024 * 1024, pids=self.config.pids_max)
 
+    def _check_disk_mb(self, disk_mb: object) -> None:
+        """A disk limit the store can enforce: an int of MiB from 16 up to the store's size
+        (a bigger one would bound nothing); a store without quotas refuses any."""
+        if disk_mb is None:
+            return
+        top = self.store.capacity() >> 20
+        if isinstance(disk_mb, bool) or not isinstance(disk_mb, int) or not 16 <= disk_mb <= top:
+            raise errors.InvalidRequest(
+                f"disk_mb must be an integer between 16 and {top} (the store's size in MiB)")
+        if not self.store.quota:
+            raise errors.InvalidRequest(self.store.no_quota)
+
     async def create(
         self,
         *,
@@ -193,6 +215,7 @@ class Engine(WarmPool, Branching, Workspaces):
         memory_mb: int | None = None,
         workspace: str | None = None,
         idle_timeout: float | None = None,
+        disk_mb: int | None = None,
     ) -> Live:
         _check_env(env)
         branch = self._workspace_branch(workspace) if workspace is not None else None
@@ -204,7 +227,8 @@ class Engine(WarmPool, Branching, Workspaces):
         for name, value in (("timeout", timeout), ("idle_timeout", idle_timeout)):
             if value is not None and not 0 < value <= 7 * 86400:
                 raise errors.InvalidRequest(f"{name} must be between 0 and 604800 seconds")
-        meta = {"cwd": cwd, "memory_mb": memory_mb, "timeout": timeout,
+        self._check_disk_mb(disk_mb)
+        meta = {"cwd": cwd, "memory_mb": memory_mb, "timeout": timeout, "disk_mb": disk_mb,
                 "workspace": str(branch.lower.host) if branch else None}
         sb = self._take_warm(image)
         if sb is not None:  # a warm sandbox: give it this request's settings
@@ -212,6 +236,8 @@ class Engine(WarmPool, Branching, Workspaces):
                 sb.body.cgroup.apply(self._limits(memory_mb))
             sb.record.meta, sb.record.created = meta, time.time()
             try:
+                if disk_mb is not None:
+                    self.layers.limit(sb.body.layers, disk_mb << 20)
                 if branch is not None:  # before configure: cwd may be inside it
                     await self._attach_workspace(sb.body, branch)
                 await sb.body.channel.call("configure", {"env": env or {}, "cwd": cwd})
@@ -246,7 +272,9 @@ class Engine(WarmPool, Branching, Workspaces):
         base = await self._base_layers(image)
         sid = new_id()
         key = secrets.token_hex(8)
-        stack = self.layers.new_stack([], base, branch)
+        disk_mb = meta.get("disk_mb")
+        stack = self.layers.new_stack([], base, branch,
+                                      disk_bytes=None if disk_mb is None else disk_mb << 20)
         cgroup = None
         try:
             cgroup = SandboxCgroup.create(self.config.cgroup_group, key,

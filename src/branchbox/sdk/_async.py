@@ -41,17 +41,21 @@ class AsyncSandbox:
     def __init__(self, image: str = "default", *, workspace: str | Path | None = None,
                  env: dict[str, str] | None = None, cwd: str | None = None,
                  timeout: float | None = None, egress: bool = True,
-                 memory_mb: int | None = None, url: str | None = None,
+                 memory_mb: int | None = None, disk_mb: int | None = None,
+                 url: str | None = None,
                  api_key: str | None = None,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         """Describe the sandbox; nothing happens on the server until ``start()``.
 
         ``timeout`` is the sandbox's lifetime in seconds (closed by the server after
-        it); ``url``/``api_key`` override ``$BRANCHBOX_URL``/``$BRANCHBOX_API_KEY``;
+        it); ``disk_mb`` bounds what its files may take, in MiB (the server's
+        default otherwise; fork children inherit it); ``url``/``api_key`` override
+        ``$BRANCHBOX_URL``/``$BRANCHBOX_API_KEY``;
         ``transport`` is handed to httpx (tests pass ``httpx.ASGITransport(app)``).
         """
         self._spec: dict[str, Any] | None = _given(
             image=image, env=env, cwd=cwd, timeout=timeout, egress=egress, memory_mb=memory_mb,
+            disk_mb=disk_mb,
             workspace=None if workspace is None else str(Path(workspace).absolute()))
         self._bind(Api(url, api_key, transport), None, None, "new")
 

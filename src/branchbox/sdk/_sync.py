@@ -31,12 +31,14 @@ class Sandbox:
     def __init__(self, image: str = "default", *, workspace: str | Path | None = None,
                  env: dict[str, str] | None = None, cwd: str | None = None,
                  timeout: float | None = None, egress: bool = True,
-                 memory_mb: int | None = None, url: str | None = None,
+                 memory_mb: int | None = None, disk_mb: int | None = None,
+                 url: str | None = None,
                  api_key: str | None = None,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         """Create the sandbox (starting the local daemon if needed); see ``AsyncSandbox``."""
         core = AsyncSandbox(image, workspace=workspace, env=env, cwd=cwd, timeout=timeout,
-                            egress=egress, memory_mb=memory_mb, url=url, api_key=api_key,
+                            egress=egress, memory_mb=memory_mb, disk_mb=disk_mb, url=url,
+                            api_key=api_key,
                             transport=transport)
         self._bind(portal.run(core.start()))
 

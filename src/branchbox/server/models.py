@@ -94,12 +94,14 @@ class CreateSandbox(_Body):
                                                                         "timeout_seconds"))
     memory_mb: int | None = Field(None, validation_alias=AliasChoices("memory_mb", "ram_mib"))
     workspace: SandboxPath | None = None  # a host directory, mounted copy-on-write
+    # MiB the sandbox's writable layer may hold (the engine checks the range).
+    disk_mb: int | None = None
     # Closed after this many seconds without a request on it (a run in progress is use).
     idle_timeout: Timeout | None = Field(None, validation_alias=AliasChoices(
         "idle_timeout", "idle_timeout_seconds"))
     # Accepted so Podflare's SDK can send them. Every sandbox is loopback-only, which
-    # already honours egress=false; root filesystems grow on the host's disk (no fixed
-    # size); and nothing is frozen into a "space" on idle.
+    # already honours egress=false; rootfs_gb is taken as disk_mb (x 1024) when disk_mb
+    # is not given; and nothing is frozen into a "space" on idle.
     egress: bool = True
     rootfs_gb: int | None = None
     persistent: bool | None = None

@@ -15,9 +15,15 @@ router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
 @router.post("", status_code=201)
 async def create_sandbox(body: CreateSandbox, engine: EngineDep) -> dict:
     """Start a sandbox; answers once its REPL is ready, with its info."""
+    disk_mb = body.disk_mb
+    # Podflare's rootfs_gb asks for at least that much disk: a limit where the store
+    # has quotas; where it has none every sandbox may already use the whole store.
+    if disk_mb is None and body.rootfs_gb is not None and engine.store.quota:
+        disk_mb = body.rootfs_gb * 1024
     sb = await engine.create(image=body.image, env=body.env, cwd=body.cwd,
                              timeout=body.timeout, memory_mb=body.memory_mb,
-                             workspace=body.workspace, idle_timeout=body.idle_timeout)
+                             workspace=body.workspace, idle_timeout=body.idle_timeout,
+                             disk_mb=disk_mb)
     return engine.info(sb.id)
 
 

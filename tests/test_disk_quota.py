@@ -1,0 +1,172 @@
+"""Per-sandbox disk limits (issue 9, part 4): one sandbox cannot fill the store for the others.
+
+Against the real engine on both backends. The btrfs store bounds every writable
+volume with a btrfs simple quota: writing past ``disk_mb`` fails with EDQUOT in
+that sandbox only, fork children inherit the limit, and a child can write up to
+its own limit whatever it shares with its parent. The copy backend has no
+kernel mechanism for it and says so: ``disk_mb`` is refused with a 400.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from branchbox import InvalidRequest
+from branchbox.sdk._portal import portal
+from branchbox.storage import backend as storage_backend
+from branchbox.storage.backend import BackendUnavailable, QuotaUnsupported, choose_backend
+
+FULL = ("Disk quota exceeded", "No space left on device")
+
+
+def dd(sb, path: str, mib: int):
+    """Write ``mib`` MiB to ``path`` in the sandbox and flush it: the write must reach the
+    filesystem (not just the page cache) for the outcome to mean anything."""
+    return sb.exec(f"dd if=/dev/zero of={path} bs=1M count={mib} conv=fsync 2>&1")
+
+
+def refused_on_copy(harness, **kwargs) -> bool:
+    """On the copy backend, asking for a disk limit is a clear 400; True if it was."""
+    if harness.backend != "copy":
+        return False
+    with pytest.raises(InvalidRequest, match="copy storage backend cannot enforce disk_mb"):
+        harness.sandbox(**kwargs)
+    return True
+
+
+def test_a_full_sandbox_does_not_stop_the_others(make, harness) -> None:
+    if refused_on_copy(harness, disk_mb=64):
+        return
+    small = make(disk_mb=64)
+    other = make()
+    r = dd(small, "/root/big", 200)
+    assert r.exit_code != 0, r.stdout
+    assert any(text in r.stdout for text in FULL), r.stdout
+    ok = dd(other, "/root/ten", 10)
+    assert ok.exit_code == 0, ok.stdout
+    # The full sandbox recovers once it frees its own space.
+    assert small.exec("rm /root/big && echo gone").stdout == "gone\n"
+    assert dd(small, "/root/again", 10).exit_code == 0
+    assert harness.engine.info(small.id)["disk_mb"] == 64
+
+
+def test_the_default_limit_applies_and_is_reported(make, harness) -> None:
+    sb = make()
+    expected = None if harness.backend == "copy" else harness.engine.config.disk_mb
+    assert harness.engine.info(sb.id)["disk_mb"] == expected
+
+
+def test_fork_children_inherit_the_limit_and_write_up_to_their_own(make, harness) -> None:
+    if refused_on_copy(harness, disk_mb=64):
+        return
+    parent = make(disk_mb=64)
+    assert dd(parent, "/root/forty", 40).exit_code == 0
+    [child] = parent.fork(1)
+    try:
+        assert harness.engine.info(child.id)["disk_mb"] == 64
+        # 40 MiB shared with the parent: the child still has its own 64 MiB.
+        r = dd(child, "/root/sixty", 60)
+        assert r.exit_code == 0, r.stdout
+        assert child.exec("wc -c < /root/forty").stdout.strip() == str(40 << 20)
+        r = dd(child, "/root/more", 100)
+        assert r.exit_code != 0 and any(text in r.stdout for text in FULL), r.stdout
+        # A grandchild inherits it too.
+        [grandchild] = child.fork(1)
+        try:
+            assert harness.engine.info(grandchild.id)["disk_mb"] == 64
+            r = dd(grandchild, "/root/huge", 200)
+            assert r.exit_code != 0 and any(text in r.stdout for text in FULL), r.stdout
+        finally:
+            grandchild.close()
+        # Forking does not hide bytes from the parent's limit: the 40 MiB it wrote stay
+        # charged to it while its children's layers hold them, deleted or not.
+        r = parent.exec("rm /root/forty && " + dd_cmd("/root/refill", 40))
+        assert r.exit_code != 0 and any(text in r.stdout for text in FULL), r.stdout
+    finally:
+        child.close()
+
+
+def dd_cmd(path: str, mib: int) -> str:
+    return f"dd if=/dev/zero of={path} bs=1M count={mib} conv=fsync 2>&1"
+
+
+@pytest.mark.parametrize("bad", [0, -1, 15, 10**12, "64", 64.5, True])
+def test_bad_disk_mb_is_invalid_request(harness, bad) -> None:
+    with pytest.raises(InvalidRequest, match="disk_mb"):
+        harness.sandbox(disk_mb=bad)
+
+
+def test_bad_disk_mb_is_a_400_with_a_json_error(harness) -> None:
+    async def post(body: dict) -> httpx.Response:
+        async with httpx.AsyncClient(transport=harness.transport(), base_url="http://x") as c:
+            return await c.post("/v1/sandboxes", json=body)
+
+    for body in ({"disk_mb": 0}, {"disk_mb": -5}, {"disk_mb": 1 << 40}, {"disk_mb": "1"}):
+        r = portal.run(post(body))
+        assert r.status_code == 400, (body, r.text)
+        assert "disk_mb" in r.json()["error"]
+
+
+def test_podflare_rootfs_gb_is_a_limit_where_the_store_has_quotas(harness) -> None:
+    async def create() -> dict:
+        async with httpx.AsyncClient(transport=harness.transport(), base_url="http://x") as c:
+            r = await c.post("/v1/sandboxes", json={"template": "default", "rootfs_gb": 1})
+            assert r.status_code == 201, r.text
+            info = r.json()
+            await c.delete(f"/v1/sandboxes/{info['id']}")
+            return info
+
+    info = portal.run(create())
+    assert info["disk_mb"] == (None if harness.backend == "copy" else 1024)
+
+
+# ------------------------------------------------------------------ storage level
+
+
+def test_btrfs_store_limits_each_volume(tmp_path: Path) -> None:
+    with choose_backend(tmp_path, "btrfs", image_size=1 << 30) as store:
+        assert store.quota == "btrfs simple quotas"
+        small, big = store.root / "small", store.root / "big"
+        store.backend.create_volume(small)
+        store.backend.create_volume(big)
+        store.set_limit(small, 8 << 20)
+        with pytest.raises(OSError) as caught, open(small / "f", "wb") as f:
+            for _ in range(32):
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+                os.fsync(f.fileno())
+        assert caught.value.errno in (122, 28)  # EDQUOT, ENOSPC
+        with open(big / "f", "wb") as f:
+            f.write(b"\0" * (32 << 20))
+            os.fsync(f.fileno())
+        store.set_limit(small, None)  # lifted: it can grow again
+        with open(small / "g", "wb") as f:
+            f.write(b"\0" * (16 << 20))
+            os.fsync(f.fileno())
+
+
+def test_copy_store_refuses_limits_with_the_reason(tmp_path: Path) -> None:
+    with choose_backend(tmp_path, "copy") as store:
+        assert store.quota is None
+        with pytest.raises(QuotaUnsupported, match="copy storage backend"):
+            store.set_limit(store.root, 1 << 20)
+
+
+def test_new_image_is_bounded_by_the_hosts_free_space(tmp_path: Path) -> None:
+    """A small filesystem stands in for a host disk with little free space."""
+    host = tmp_path / "host"
+    host.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m", "tmpfs", str(host)], check=True)
+    try:
+        size = storage_backend.bounded_image_size(host, storage_backend.DEFAULT_IMAGE_SIZE)
+        assert 256 << 20 <= size <= int(0.9 * (512 << 20))
+        subprocess.run(["mount", "-o", "remount,size=128m", str(host)], check=True)
+        with pytest.raises(BackendUnavailable, match="MiB free"):
+            storage_backend.bounded_image_size(host, storage_backend.DEFAULT_IMAGE_SIZE)
+    finally:
+        subprocess.run(["umount", str(host)], check=True)
