@@ -12,7 +12,7 @@ order matters:
    its parent or a sibling (which are other processes of the same family
    namespace P, with the same credentials): a fork child's domain nests in
    its parent's. Landlock nests at most 16 deep; past that a child shares its
-   parent's domain (see the isolation notes in DESIGN.md);
+   parent's domain (see Limits in the README);
 2. unshare mount, network, UTS and IPC namespaces (not PID: the REPL stays
    flat in P and never changes its pid_for_children, so P can belong to the
    host's user namespace, out of reach of sandbox root — see step 6);
