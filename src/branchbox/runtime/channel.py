@@ -65,7 +65,8 @@ MAX_EVENT_DATA = 2 * 1024 * 1024
 OUTPUT_SLACK = 1024 * 1024
 """Characters past a request's ``max_output`` the agent may send (markers, decoder tails)."""
 FRAME_SLACK = 1024
-"""Frames a request may send beyond one per character (or byte) of its content."""
+"""Frames a request may send beyond one per character (or byte) of its content, and
+non-final frames it may send with no content at all (the agent sends none)."""
 ABANDONED_DRAIN = 1 << 30
 """Bytes the daemon reads and drops for a request nobody waits for any more; past that
 the sandbox is cut off rather than costing the daemon time for ever."""
@@ -98,16 +99,22 @@ class _Request:
     queued_bytes: int = 0
     content: int = 0
     frames: int = 0
+    empty: int = 0
     wire: int = 0
     abandoned: bool = False
     finished: bool = False  # its final event (done or fail) has arrived
     space: asyncio.Event = field(default_factory=asyncio.Event)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def charge(self, content: int, size: int) -> None:
+    def charge(self, content: int, size: int, final: bool) -> None:
         self.content += content
         self.frames += 1
         self.wire += size
+        if not content and not final:
+            self.empty += 1
+            if self.empty > FRAME_SLACK:
+                raise ProtocolViolation(f"request {self.op!r} sent more than {FRAME_SLACK} "
+                                        "frames without content")
         if self.content_budget is not None and self.content > self.content_budget:
             raise ProtocolViolation(
                 f"request {self.op!r} went past its output budget ({self.content_budget})")
@@ -271,7 +278,7 @@ class AgentChannel:
                     raise ProtocolViolation(f"event for request {rid}, which is not open")
                 if req.finished:
                     raise ProtocolViolation(f"event for request {rid} after its final event")
-                req.charge(content, size)
+                req.charge(content, size, ev in _FINAL)
                 if ev in _FINAL:
                     req.finished = True
                     req.space.set()
