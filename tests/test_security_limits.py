@@ -1,0 +1,251 @@
+"""Issue 9, part 4: bounds on what hostile input can cost the daemon, on both backends.
+
+- diff is bounded: a sparse file of 1 EiB apparent size, a FIFO, a big file shared by a
+  snapshot cost (almost) nothing; a change inside a sparse file's data is still found;
+  past its budget a file is reported modified and "unverified", never called equal;
+  other families' create and close go on while a diff runs.
+- bad input is a 400 with {"error"} (the SDK's InvalidRequest), never a 500.
+- /proc/self/mountinfo inside a sandbox names no host path of the store or the images.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from branchbox import InvalidRequest, SandboxTimeout
+from branchbox.sdk._portal import portal
+from branchbox.storage import layerdiff
+
+LIVENESS = 30.0  # seconds: a bound on "returns at all", not a timing assertion
+
+
+def _diff_in_thread(a, b) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["diff"] = a.diff(b)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+# ------------------------------------------------------------------------------ diff
+
+def test_diff_of_an_exabyte_sparse_file_is_prompt_while_others_create_and_close(
+        harness, make) -> None:
+    parent = make()
+    # ext4 (the copy backend's store here) stops at 16 TiB; btrfs takes a whole exabyte.
+    size = parent.exec("truncate -s 1E /root/huge 2>/dev/null || truncate -s 15T /root/huge;"
+                       " stat -c %s /root/huge").stdout.strip()
+    assert int(size) >= 15 << 40
+    a, b = parent.fork(2)
+    make_pair = [a, b]
+    a.exec("touch /root/huge")  # a copy-up in a; b still reads the frozen layer
+    thread, out = _diff_in_thread(a, b)
+    # Meanwhile another family is created and closed: the diff does not hold them up.
+    other = harness.sandbox()
+    assert other.run_code("1 + 1").text == "2"
+    other.close()
+    thread.join(LIVENESS)
+    assert not thread.is_alive(), "diff of a sparse file did not return"
+    assert "error" not in out, out.get("error")
+    assert out["diff"] == {"added": [], "removed": [], "modified": []}
+    assert parent.diff(b) == {"added": [], "removed": [], "modified": []}
+    for sb in make_pair:
+        sb.close()
+
+
+def test_diff_finds_one_changed_byte_in_the_data_of_a_sparse_8_gib_file(
+        make, monkeypatch) -> None:
+    """Only the data regions are read: 4 MiB of data in 8 GiB fit a 64 MiB budget."""
+    monkeypatch.setattr(layerdiff, "READ_BUDGET", 64 << 20)
+    parent = make()
+    parent.exec("truncate -s 8G /root/big && yes abc | head -c 4M | "
+                "dd of=/root/big bs=1M seek=4096 conv=notrunc status=none")
+    a, b = parent.fork(2)
+    offset = (4096 << 20) + 12345
+    a.exec(f"printf X | dd of=/root/big bs=1 seek={offset} conv=notrunc status=none")
+    assert a.exec(f"tail -c +{offset + 1} /root/big | head -c 1").stdout == "X"
+    started = time.monotonic()
+    assert a.diff(b) == {"added": [], "removed": [], "modified": ["/root/big"]}
+    assert b.diff(parent) == {"added": [], "removed": [], "modified": []}
+    assert time.monotonic() - started < LIVENESS
+    a.close()
+    b.close()
+
+
+def test_diff_of_big_files_shared_by_a_snapshot(harness, make, monkeypatch) -> None:
+    """btrfs: the parent's file and the fork's frozen copy share extents, so they are equal
+    without a byte read (a 1 MiB budget for a 64 MiB file), even after a copy-up in the
+    child (overlayfs reflinks it); a change still in the page cache is not hidden by the
+    shared extent. The copy backend has no shared extents: the same file is read (and
+    equal) within the default budget, and past a small one it is reported modified and
+    unverified, never equal."""
+    parent = make()
+    parent.exec("head -c 64M /dev/urandom > /root/blob")
+    (child,) = parent.fork(1)
+    clean = {"added": [], "removed": [], "modified": []}
+    if harness.backend == "btrfs":
+        monkeypatch.setattr(layerdiff, "READ_BUDGET", 1 << 20)
+        assert parent.diff(child) == clean
+        child.exec("touch /root/blob")  # copied up into the child's own layer
+        assert parent.diff(child) == clean
+        parent.exec("printf X | dd of=/root/blob bs=1 seek=33554432 conv=notrunc "
+                    "status=none")
+        monkeypatch.setattr(layerdiff, "READ_BUDGET", 64 << 20)
+        assert parent.diff(child)["modified"] == ["/root/blob"]
+    else:
+        assert parent.diff(child) == clean
+        monkeypatch.setattr(layerdiff, "READ_BUDGET", 1 << 20)
+        assert parent.diff(child) == {"added": [], "removed": [], "modified": ["/root/blob"],
+                                      "unverified": ["/root/blob"]}
+    child.close()
+
+
+def test_diff_never_opens_a_fifo(make) -> None:
+    parent = make()
+    a, b = parent.fork(2)
+    for sb in (a, b):
+        sb.exec("mkfifo /tmp/pipe && mknod /tmp/null c 1 3")
+    thread, out = _diff_in_thread(a, b)
+    thread.join(LIVENESS)
+    assert not thread.is_alive(), "diff blocked on a FIFO"
+    assert out.get("diff") == {"added": [], "removed": [], "modified": []}, out
+    a.close()
+    b.close()
+
+
+def test_diff_past_its_time_budget_fails_with_a_clear_error(make, monkeypatch) -> None:
+    parent = make()
+    a, b = parent.fork(2)
+    b.exec("mkdir -p /root/many && touch /root/many/f{1..50}")
+    monkeypatch.setattr(layerdiff, "TIME_BUDGET", 0.0)
+    with pytest.raises(SandboxTimeout, match="narrower paths"):
+        a.diff(b)
+    a.close()
+    b.close()
+
+
+def test_a_cancelled_diff_stops(tmp_path: Path) -> None:
+    """The flag a cancelled request sets stops the worker at its next check."""
+    for name in ("a", "b"):
+        (tmp_path / name / "root").mkdir(parents=True)
+        (tmp_path / name / "root" / "f").write_bytes(b"x")
+    budget = layerdiff.Budget()
+    budget.cancelled.set()
+    with pytest.raises(layerdiff.DiffCancelled):
+        layerdiff.diff_layers([tmp_path / "a"], [tmp_path / "b"], ["/root"], budget)
+
+
+# ------------------------------------------------------------------------ bad input
+
+LONG_CWD = "/" + "a" * 5000
+LONG_NAME_CWD = "/" + "b" * 256
+
+
+def _rest_400(harness, method: str, path: str, body: dict) -> str:
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=harness.transport(),
+                                     base_url="http://sandbox") as client:
+            return await client.request(method, path, json=body)
+
+    reply = portal.run(go())
+    assert reply.status_code == 400, (body, reply.status_code, reply.text[:300])
+    message = reply.json()["error"]
+    assert isinstance(message, str) and len(message) < 400
+    return message
+
+
+@pytest.mark.parametrize("pool", ["warm", "cold"])
+def test_a_cwd_that_is_not_a_directory_is_an_invalid_request(harness, monkeypatch,
+                                                            pool) -> None:
+    if pool == "cold":  # a new family, not a hand-out from the warm pool
+        monkeypatch.setattr(harness.engine, "_take_warm", lambda image: None)
+    else:
+        portal.run(harness.engine.settle())
+    with pytest.raises(InvalidRequest, match="/dev/null"):
+        harness.sandbox(cwd="/dev/null")
+    _rest_400(harness, "POST", "/v1/sandboxes", {"cwd": "/etc/passwd/x"})
+    with harness.sandbox(cwd="/tmp/work/deep") as sb:  # a good one still works
+        assert sb.exec("pwd").stdout.strip() == "/tmp/work/deep"
+
+
+def test_overlong_paths_and_tiny_timeouts_are_invalid_requests(harness, sandbox) -> None:
+    for cwd in (LONG_CWD, LONG_NAME_CWD):
+        with pytest.raises(InvalidRequest):
+            harness.sandbox(cwd=cwd)
+        with pytest.raises(InvalidRequest):
+            sandbox.exec("pwd", cwd=cwd)
+        with pytest.raises(InvalidRequest):
+            sandbox.files.read(cwd)
+        assert len(_rest_400(harness, "POST", "/v1/sandboxes", {"cwd": cwd})) < 400
+    for timeout in (1e-300, 0.0, -1.0):
+        with pytest.raises(InvalidRequest):
+            sandbox.run_code("1", timeout=timeout)
+        with pytest.raises(InvalidRequest):
+            sandbox.exec("true", timeout=timeout)
+    sid = sandbox.id
+    for body in ({"code": "1", "timeout": 1e-300}, {"code": "1", "timeout": 1e9}):
+        _rest_400(harness, "POST", f"/v1/sandboxes/{sid}/run_code", body)
+        _rest_400(harness, "POST", f"/v1/sandboxes/{sid}/exec", body)
+    _rest_400(harness, "POST", "/v1/sandboxes", {"timeout": 1e-300})
+    _rest_400(harness, "POST", "/v1/sandboxes", {"idle_timeout": 1e-300})
+    # NaN and Infinity: Python's json module writes them, so a client can send them.
+    for value in (math.nan, math.inf):
+        async def go(value: float = value) -> httpx.Response:
+            async with httpx.AsyncClient(transport=harness.transport(),
+                                         base_url="http://sandbox") as client:
+                return await client.post(
+                    f"/v1/sandboxes/{sid}/run_code",
+                    content=f'{{"code": "1", "timeout": {value!r}}}'.replace(
+                        "nan", "NaN").replace("inf", "Infinity"),
+                    headers={"content-type": "application/json"})
+        assert portal.run(go()).status_code == 400
+    # The smallest timeout allowed is a timeout, not a crash, however soon it fires.
+    for _ in range(20):
+        with pytest.raises(SandboxTimeout):
+            sandbox.run_code("while True: pass", timeout=0.001)
+    assert sandbox.run_code("40 + 2").text == "42"
+
+
+def test_env_and_command_bytes_execve_cannot_carry(harness, sandbox) -> None:
+    for env in ({"A=B": "x"}, {"": "x"}, {"A\0": "x"}, {"A": "x\0y"}):
+        with pytest.raises(InvalidRequest):
+            sandbox.exec("true", env=env)
+        with pytest.raises(InvalidRequest):
+            harness.sandbox(env=env)
+    for cmd in ("echo a\0b", ["echo", "a\0b"], ["ech\0o"]):
+        with pytest.raises(InvalidRequest):
+            sandbox.exec(cmd)
+    assert sandbox.exec("echo $A", env={"A": "ok"}).stdout == "ok\n"
+
+
+# ------------------------------------------------------------------------ mountinfo
+
+def test_mountinfo_shows_no_host_path(harness, make) -> None:
+    parent = make()
+    (child,) = parent.fork(1)
+    engine = harness.engine
+    secrets = {str(harness.data_dir), str(engine.config.image_cache),
+               str(engine.store.root)}
+    for sb in (parent, child):
+        layers = engine.get(sb.id).body.layers
+        secrets |= {str(path) for path in layers.layer_dirs()}
+        secrets.add(str(layers.volume))
+    for sb in (parent, child):
+        mountinfo = sb.exec("cat /proc/self/mountinfo").stdout
+        assert " / / " in mountinfo  # the root's line is there to be checked
+        leaked = sorted(s for s in secrets if s in mountinfo)
+        assert not leaked, f"mountinfo in {sb.id} shows host paths {leaked}:\n{mountinfo}"
+        assert "/proc/self/fd/" in mountinfo.split(" / / ", 1)[1].splitlines()[0]
+    child.close()
