@@ -150,3 +150,28 @@ def test_fork_merge_rounds_go_on_past_the_landlock_nesting_limit(make) -> None:
     a, b = sb.fork(n=2)
     assert a.exec("echo ok").stdout == "ok\n"
     assert b.run_code("n").text == "24"
+
+
+def test_branches_deeper_than_landlock_still_cannot_signal_each_other(make) -> None:
+    """Past Landlock's 16 nested domains the daemon answers the branches' signal calls."""
+    sb = make()
+    sb.run_code(_SYSCALLS)
+    for _ in range(18):
+        (child,) = sb.fork(n=1)
+        sb.merge_into(child)
+    a, b = sb.fork(n=2)
+    for name, target in (("parent", sb), ("sibling", b)):
+        got = a.run_code(f"try_kill({_pid(target)}, signal.SIGKILL)").text
+        assert got == "1", f"SIGKILL to the {name} from a deep branch: errno {got}"
+    assert a.run_code("try_kill(-1, signal.SIGKILL)").text == "1"
+    assert a.run_code(f"try_kill(-{_pid(b)}, signal.SIGKILL)").text == "1"  # b's group
+    # What is its own still answers to it: a subprocess of the REPL, a background command
+    # (the agent signals its process group), and a command's own children (in Q).
+    own = "import subprocess; p = subprocess.Popen(['sleep', '30']); try_kill(p.pid, 9)"
+    assert a.run_code(own).text == "0"
+    assert a.run_code("p.wait()").text == "-9"
+    background = a.exec("sleep 30", background=True)
+    background.kill()
+    assert a.exec("sleep 30 & kill $! && wait $!; echo $?").stdout.strip() == "143"
+    _alive(sb)
+    _alive(b)

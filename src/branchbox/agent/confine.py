@@ -25,12 +25,18 @@ itself (pid 0): every REPL of a family sits in the same PID namespace with
 the same credentials, so ``prlimit64(sibling, RLIMIT_CPU, 0)`` or a
 scheduler change would otherwise reach a sibling branch (signals are kept
 in their branch by Landlock, see ``entry``).
+
+Landlock nests only 16 domains deep. A branch past that depth adds a second
+filter (:func:`supervise_signals`) whose signal calls the daemon answers:
+the kernel holds the caller while the daemon checks that the target is in
+the caller's own sandbox (``runtime/signal_guard.py``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import os
 import struct
 
 from . import sysc
@@ -39,8 +45,6 @@ _AUDIT_ARCH_X86_64 = 0xC000003E
 _SECCOMP_RET_ALLOW = 0x7FFF0000
 _SECCOMP_RET_ERRNO = 0x00050000
 _SECCOMP_RET_KILL_PROCESS = 0x80000000
-_PR_SET_SECCOMP = 22
-_SECCOMP_MODE_FILTER = 2
 
 # BPF opcodes
 _LD_W_ABS = 0x20
@@ -132,11 +136,56 @@ def _program() -> bytes:
     return b"".join(prog)
 
 
+_SECCOMP_RET_USER_NOTIF = 0x7FC00000
+_SYS_SECCOMP = 317
+_SECCOMP_SET_MODE_FILTER = 1
+_SECCOMP_FILTER_FLAG_NEW_LISTENER = 1 << 3
+# Calls that signal, or take a handle to, a process named by pid; kill(0, ...) (this
+# process group, always within the branch) is answered by the filter itself.
+SIGNALLING = {"kill": 62, "tkill": 200, "tgkill": 234, "rt_sigqueueinfo": 129,
+              "rt_tgsigqueueinfo": 297, "pidfd_open": 434}
+
+
+def _signal_program() -> bytes:
+    notify = _SECCOMP_RET_USER_NOTIF
+    prog = [
+        _insn(_LD_W_ABS, 0, 0, _ARCH),
+        _insn(_JEQ_K, 1, 0, _AUDIT_ARCH_X86_64),
+        _insn(_RET_K, 0, 0, _SECCOMP_RET_KILL_PROCESS),
+        _insn(_LD_W_ABS, 0, 0, _NR),
+        _insn(_JEQ_K, 0, 4, SIGNALLING["kill"]),
+        _insn(_LD_W_ABS, 0, 0, _args(0)),
+        _insn(_JEQ_K, 0, 1, 0),
+        _insn(_RET_K, 0, 0, _SECCOMP_RET_ALLOW),
+        _insn(_RET_K, 0, 0, notify),
+    ]
+    for name, nr in SIGNALLING.items():
+        if name != "kill":
+            prog += [_insn(_JEQ_K, 0, 1, nr), _insn(_RET_K, 0, 0, notify)]
+    prog.append(_insn(_RET_K, 0, 0, _SECCOMP_RET_ALLOW))
+    return b"".join(prog)
+
+
+def _install(code: bytes, flags: int = 0) -> int:
+    filters = ctypes.create_string_buffer(code)
+    fprog = ctypes.create_string_buffer(
+        struct.pack("HxxxxxxQ", len(code) // 8, ctypes.addressof(filters)))
+    ret = sysc.libc().syscall(ctypes.c_long(_SYS_SECCOMP), ctypes.c_long(_SECCOMP_SET_MODE_FILTER),
+                              ctypes.c_long(flags), fprog)
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"seccomp: {os.strerror(err)}")
+    return ret
+
+
+def supervise_signals() -> int:
+    """Add the filter that hands this process's (and its descendants') signal calls to the
+    daemon; returns the listener fd, which must reach the daemon and leave this process
+    before any user code runs (whoever holds it answers the calls)."""
+    return _install(_signal_program(), _SECCOMP_FILTER_FLAG_NEW_LISTENER)
+
+
 def confine() -> None:
     """no_new_privs, then the filter, for this process and everything it will start."""
     sysc.prctl(sysc.PR_SET_NO_NEW_PRIVS, 1)
-    code = _program()
-    filters = ctypes.create_string_buffer(code)
-    fprog = struct.pack("HxxxxxxQ", len(code) // 8, ctypes.addressof(filters))
-    buf = ctypes.create_string_buffer(fprog)
-    sysc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.addressof(buf))
+    _install(_program())

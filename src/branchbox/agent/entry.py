@@ -12,7 +12,8 @@ order matters:
    its parent or a sibling (which are other processes of the same family
    namespace P, with the same credentials): a fork child's domain nests in
    its parent's. Landlock nests at most 16 deep; past that a child shares its
-   parent's domain (see Limits in the README);
+   parent's domain and its line of descent gets, once, a second seccomp
+   filter whose signal calls the daemon answers (``confine.supervise_signals``);
 2. unshare mount, network, UTS and IPC namespaces (not PID: the REPL stays
    flat in P and never changes its pid_for_children, so P can belong to the
    host's user namespace, out of reach of sandbox root — see step 6);
@@ -38,8 +39,9 @@ import os
 import signal
 import socket
 import struct
+from dataclasses import dataclass
 
-from . import sysc
+from . import confine, sysc
 
 AGENT_DIR = "/.branchbox"  # the agent layer's directory inside every sandbox root
 OLD_ROOT = AGENT_DIR + "/oldroot"  # where pivot_root parks the previous root
@@ -105,6 +107,34 @@ def _mount_dev(root: str) -> None:
     os.symlink("/proc/self/fd", dev + "/fd")
 
 
+@dataclass
+class Entered:
+    """What a process that entered its sandbox holds: the socket to its spawner, and the
+    listener of a signal filter it had to add (to hand to the daemon), or None."""
+
+    spawner: int
+    listener: int | None
+
+
+_SUPERVISED = False  # a signal filter is on this line of descent already (fork copies it)
+
+
+def _own_signal_scope() -> int | None:
+    """A Landlock signal domain nested in the parent's; past Landlock's depth, the daemon's
+    signal filter (once per line of descent). Returns that filter's listener, if added."""
+    global _SUPERVISED
+    try:
+        sysc.landlock_scope_signals()
+        return None
+    except OSError as exc:
+        if exc.errno != errno.E2BIG:
+            raise
+    if _SUPERVISED:
+        return None
+    _SUPERVISED = True
+    return confine.supervise_signals()
+
+
 def enter_sandbox(
     tree_fd: int,
     attach: str,
@@ -112,9 +142,10 @@ def enter_sandbox(
     repl_cgroup_fds: list[int],
     cmds_cgroup_fds: list[int],
     mounts: list[tuple[int, str]] = (),
-) -> int:
-    """Turn the calling process into a sandbox's REPL process; returns the fd of its
-    spawner socket (close-on-exec), through which it starts commands in Q.
+) -> Entered:
+    """Turn the calling process into a sandbox's REPL process; returns its spawner socket
+    (close-on-exec), through which it starts commands in Q, and a signal listener if one
+    was added.
 
     ``attach`` is an empty directory of the current root where the tree is
     attached before pivoting. Every fd given is consumed: ``tree_fd``,
@@ -125,11 +156,7 @@ def enter_sandbox(
     for fd in repl_cgroup_fds:  # 1
         os.write(fd, b"0")
         os.close(fd)
-    try:
-        sysc.landlock_scope_signals()
-    except OSError as exc:
-        if exc.errno != errno.E2BIG:  # nested 16 deep already: stay in the parent's domain
-            raise
+    listener = _own_signal_scope()
     sysc.unshare(
         sysc.CLONE_NEWNS
         | sysc.CLONE_NEWNET
@@ -170,4 +197,4 @@ def enter_sandbox(
     sysc.pivot_root(attach, attach + OLD_ROOT)  # 8
     os.chdir("/")
     sysc.umount2(OLD_ROOT, sysc.MNT_DETACH)
-    return spawner.detach()
+    return Entered(spawner.detach(), listener)

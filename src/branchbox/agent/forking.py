@@ -80,6 +80,7 @@ class _Batch:
 @dataclass
 class _State:
     spawner: int = -1  # socket to bb-init, which starts this sandbox's commands in Q
+    listener: int = -1  # a signal filter's listener, until the daemon has taken it
     batch: _Batch | None = None  # a fork in progress (between the first slot and "fork")
     warning: str | None = None
 
@@ -156,6 +157,15 @@ def _inherited() -> list[int]:
     return [STATE.spawner] if STATE.spawner >= 0 else []
 
 
+def handle_drop_listener(agent, req: dict, payload: bytes, fds: list[int]) -> None:
+    """The daemon has taken this child's signal listener (pidfd_getfd): let go of it before
+    any user code can run here, since whoever holds it answers the filter's calls."""
+    if STATE.listener >= 0:
+        os.close(STATE.listener)
+        STATE.listener = -1
+    agent.done(req["rid"], {})
+
+
 def handle_fork(agent, req: dict, payload: bytes, fds: list[int]) -> None:
     """End of a fork: how long the REPL was held, and how many threads it had."""
     batch, STATE.batch = STATE.batch, None
@@ -220,17 +230,22 @@ def _become_child(agent, slot: _Slot, batch: _Batch) -> None:
         # Its own session and process group: kill(0) or a ^C to the group reaches this
         # branch only, never the parent it was forked from.
         os.setsid()
-        STATE.spawner = entry.enter_sandbox(
+        entered = entry.enter_sandbox(
             slot.tree, entry.ATTACH, slot.sandbox_id, slot.repl_cgroup, slot.cmds_cgroup,
             slot.mounts,
         )
+        STATE.spawner = entered.spawner
+        STATE.listener = -1 if entered.listener is None else entered.listener
         STATE.batch = None
         STATE.warning = batch.warning
         os.chdir(batch.cwd)
         _reopen(batch.reopen, batch.close)
         ctrl = socket.socket(fileno=slot.ctrl)
         agent.reset_after_fork(ctrl)
-        protocol.send(ctrl, {"rid": 0, "ev": "done", "result": {"pid": os.getpid()}})
+        hello = {"pid": os.getpid()}
+        if STATE.listener >= 0:
+            hello["signal_listener"] = STATE.listener
+        protocol.send(ctrl, {"rid": 0, "ev": "done", "result": hello})
     except BaseException as exc:  # noqa: BLE001 - the daemon must learn why; then we vanish
         with contextlib.suppress(OSError):
             protocol.send(

@@ -24,6 +24,7 @@ from .files import (
     handle_stat,
 )
 from .forking import (
+    handle_drop_listener,
     handle_fork,
     handle_fork_slot,
     spawner_fd,
@@ -69,6 +70,7 @@ def run(ctrl_fd: int) -> None:
     register_ops(agent, spawner=spawner_fd)
     agent.register("fork_slot", handle_fork_slot)
     agent.register("fork", handle_fork)
+    agent.register("drop_listener", handle_drop_listener)
     agent.register("sethostname", handle_sethostname)
     agent.register("configure", handle_configure)
     agent.register("attach", handle_attach)

@@ -60,6 +60,11 @@ PR_SET_NAME = 15
 PR_SET_DUMPABLE = 4
 
 
+def libc() -> ctypes.CDLL:
+    """libc, loaded with use_errno (for the few raw syscalls made outside this module)."""
+    return _libc
+
+
 def _check(ret: int, what: str, path: str | None = None) -> int:
     if ret < 0:
         err = ctypes.get_errno()

@@ -25,7 +25,7 @@ from branchbox.engine.layers import (
 from branchbox.engine.live import Body, Live, new_id
 from branchbox.engine.records import SandboxRecord
 from branchbox.runtime import procfs
-from branchbox.runtime.cgroups import Limits, SandboxCgroup
+from branchbox.runtime.cgroups import FreezeFailed, Limits, SandboxCgroup
 from branchbox.runtime.channel import AgentChannel, AgentError
 from branchbox.storage import layerdiff
 
@@ -45,6 +45,8 @@ class Branching:
         try:
             channel = self._check_alive(parent)
             return await self._fork_locked(parent, channel, n)
+        except FreezeFailed as exc:  # no frozen instant to fork from: nothing was made
+            raise errors.Conflict(f"fork failed: {exc}") from None
         finally:
             parent.lock.release()
 
@@ -61,7 +63,8 @@ class Branching:
         pending: list = []  # each slot's answer, then each child's hello
         batch_open = False
         try:
-            fresh.append(await asyncio.to_thread(self.layers.freeze, pbody.layers))
+            fresh.append(await asyncio.to_thread(self.layers.freeze, pbody.layers,
+                                                    pbody.cgroup))
             lowers = [fresh[0], *pbody.layers.frozen]
             if len(lowers) > MAX_CHAIN:
                 fresh.append(await asyncio.to_thread(self.layers.squash, lowers))
@@ -80,10 +83,14 @@ class Branching:
             batch_open = False
             forked = await channel.call("fork")
             try:
-                await asyncio.wait_for(asyncio.gather(*pending), self.config.spawn_timeout)
+                answers = await asyncio.wait_for(asyncio.gather(*pending),
+                                                 self.config.spawn_timeout)
             except TimeoutError:
                 raise errors.EngineError("fork failed: the children did not report within "
                                          f"{self.config.spawn_timeout:.0f} s") from None
+            for (_, body), hello in zip(made, answers[1::2], strict=True):
+                if hello.get("signal_listener") is not None:
+                    await self._take_signal_listener(body, hello)
             parent.last_fork = {"n": n, "repl_paused": forked.get("paused"),
                                 "total": time.perf_counter() - started}
         except BaseException as exc:
@@ -137,6 +144,16 @@ class Branching:
             raise
         return sid, Body(key, stack, cgroup)
 
+    async def _take_signal_listener(self, body: Body, hello: dict) -> None:
+        """A child past Landlock's depth added a signal filter (see runtime.signal_guard):
+        take its listener out of the child, then have the child let go of its copy, all
+        before the child runs any user code."""
+        host = procfs.find_repl(body.cgroup.pids(), int(hello.get("pid") or 0))
+        if host is None:
+            raise errors.EngineError("fork failed: a child's REPL is not in its cgroup")
+        await asyncio.to_thread(self.signal_guard.take, host, int(hello["signal_listener"]))
+        await body.channel.call("drop_listener")
+
     async def _send_slot(self, channel: AgentChannel, sid: str, body: Body,
                          inherit: dict | None):
         """Hand the REPL a child's root, control socket, cgroup fds and extra mounts; it
@@ -146,7 +163,7 @@ class Branching:
         failed)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         body.channel = AgentChannel(ours)
-        hello = _drain(body.channel.events(0, body.channel.expect(0)))  # before it can come
+        hello = _result(body.channel.events(0, body.channel.expect(0)))  # before it can come
         repl_fds, cmds_fds = body.cgroup.join_fds("repl"), body.cgroup.join_fds("cmds")
         mounts = body.layers.mounts()
         fds = [body.layers.tree(), *repl_fds, *cmds_fds, *(fd for fd, _ in mounts)]
@@ -257,3 +274,12 @@ class Branching:
 async def _drain(events: AsyncIterator) -> None:
     async for _ in events:
         pass
+
+
+async def _result(events: AsyncIterator) -> dict:
+    """The result of a request's ``done`` (a fork child's hello)."""
+    result: dict = {}
+    async for header, _ in events:
+        if header.get("ev") == "done":
+            result = header.get("result") or {}
+    return result

@@ -35,6 +35,7 @@ from branchbox.runtime import rootfs
 from branchbox.runtime.cgroups import Limits, SandboxCgroup, favor_dynamic_moves
 from branchbox.runtime.channel import AgentChannel, AgentError, interrupt_repl
 from branchbox.runtime.family import spawn_family
+from branchbox.runtime.signal_guard import SignalGuard
 from branchbox.storage import workspace_commit
 from branchbox.storage.backend import choose_backend
 from branchbox.storage.images import ImageNotFound, ensure_image
@@ -76,6 +77,7 @@ class Engine(WarmPool, Branching, Workspaces):
         self._warm: dict[str, list[Live]] = {}
         self._refilling: dict[str, asyncio.Task] = {}
         self._stopping = False
+        self.signal_guard = SignalGuard()
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -130,6 +132,7 @@ class Engine(WarmPool, Branching, Workspaces):
             with contextlib.suppress(errors.EngineError):
                 await self.close(sid)
         SandboxCgroup.remove_group(self.config.cgroup_group)
+        self.signal_guard.stop()
         if self._unfavor is not None:
             self._unfavor()
         if self._idmap_userns >= 0:

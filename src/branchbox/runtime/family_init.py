@@ -49,7 +49,7 @@ def _first_repl(spec: dict, status_w: int) -> None:
         spawner = entry.enter_sandbox(
             spec["tree_fd"], spec["attach"], spec["hostname"], spec["repl_cgroup_fds"],
             spec["cmds_cgroup_fds"], mounts,
-        )
+        ).spawner  # a family's first sandbox is one Landlock domain deep: no listener
         os.makedirs(spec["cwd"], exist_ok=True)
         os.chdir(spec["cwd"])
         # Until here stdout/stderr were the daemon's log of this sandbox (entry errors
