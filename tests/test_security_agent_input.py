@@ -377,3 +377,32 @@ def test_an_unread_download_is_paced_by_its_reader(daemon: Daemon,
     started = time.monotonic()
     assert daemon.run(victim, "1 + 1", timeout=60).status_code == 200
     assert time.monotonic() - started < LIVE
+
+
+def test_a_disconnected_client_stops_its_command(daemon: Daemon,
+                                                 make: Callable[..., str]) -> None:
+    """A foreground command whose client went away is killed, not left running (and
+    holding the sandbox) until its own timeout."""
+    victim = make()
+    cmd = "sleep 1000 & echo started; wait"
+
+    def processes() -> str:  # a command sees the sandbox's command namespace
+        reply = daemon.http.post(f"/v1/sandboxes/{victim}/commands",
+                                 json={"cmd": "ps -e -o comm"}, timeout=60)
+        assert reply.status_code == 200 and "ps" in reply.text, reply.text
+        return reply.text
+
+    with httpx.Client(base_url=daemon.url, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as client, \
+            client.stream("POST", f"/v1/sandboxes/{victim}/commands",
+                          json={"cmd": cmd}) as reply:
+        assert reply.status_code == 200
+        assert "started" in next(reply.iter_lines())
+    # The client is gone now: the command's whole process group is killed.
+    deadline = time.monotonic() + LIVE
+    while True:
+        ps = processes()
+        if "sleep" not in ps:
+            break
+        assert time.monotonic() < deadline, f"the abandoned command still runs: {ps}"
+        time.sleep(0.2)

@@ -376,6 +376,15 @@ class Commands:
             command.signal(signo)
         agent.done(req["rid"], {})
 
+    def handle_cancel(self, agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None:
+        """``cancel`` {target}: the daemon's caller of foreground exec ``target`` went away;
+        kill the command's process group (its request still ends, unread)."""
+        target = param(req, "target", int)
+        for command in self.foreground:
+            if command.rid == target and command.exit_code is None:
+                command.signal(signal.SIGKILL)
+        agent.done(req["rid"], {})
+
     def handle_ps(self, agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None:
         """``ps``: the background commands not yet collected by a wait."""
         commands = [

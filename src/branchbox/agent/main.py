@@ -48,6 +48,7 @@ def register_ops(agent: Agent, spawner: Callable[[], int] | None = None) -> None
     agent.register("wait", commands.handle_wait)
     agent.register("kill", commands.handle_kill)
     agent.register("ps", commands.handle_ps)
+    agent.register("cancel", commands.handle_cancel)
     agent.register("read", handle_read)
     agent.register("write", uploads.handle_write)
     agent.register("list", handle_list)

@@ -308,11 +308,26 @@ class Engine(WarmPool, Branching, Workspaces):
         self.live[sb.id] = sb
         self.records.put(sb.record)
         sb.watcher = asyncio.get_running_loop().create_task(self._watch(sb, sb.body))
-        sb.body.channel.on_abandon = functools.partial(interrupt_repl, sb.body.cgroup)
+        sb.body.channel.on_abandon = functools.partial(self._on_abandon, sb.body)
         if timeout:
             sb.timer = asyncio.get_running_loop().call_later(
                 timeout, self._expire, sb.id
             )
+
+    def _on_abandon(self, body: Body, op: str | None, rid: int) -> None:
+        """A request whose caller went away: a ``run_code`` is interrupted, a foreground
+        command is killed, so neither runs on (holding the sandbox) for nobody."""
+        if op == "run_code":
+            interrupt_repl(body.cgroup, op)
+        elif op == "exec" and body.channel is not None:
+            task = asyncio.get_running_loop().create_task(self._cancel(body.channel, rid))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    @staticmethod
+    async def _cancel(channel: AgentChannel, rid: int) -> None:
+        with contextlib.suppress(AgentError, ChannelClosed, OSError):
+            await channel.call("cancel", {"target": rid})
 
     def _close_when_idle(self, sb: Live, idle: float) -> None:
         """Close ``sb`` once no request has used it for ``idle`` seconds (a run still going

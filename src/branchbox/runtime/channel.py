@@ -238,7 +238,7 @@ class AgentChannel:
         self._send_lock = asyncio.Lock()
         self.closed = asyncio.Event()
         self.violation: str | None = None
-        self.on_abandon: Callable[[str | None], None] | None = None
+        self.on_abandon: Callable[[str | None, int], None] | None = None
         """Called (with the op) when a request is given up before its final event."""
         self._reader = self._loop.create_task(self._read_loop())
 
@@ -360,7 +360,7 @@ class AgentChannel:
             req.content_budget = req.content + ABANDONED_DRAIN
         if self.on_abandon is not None:
             try:
-                self.on_abandon(req.op)
+                self.on_abandon(req.op, rid)
             except Exception:
                 log.exception("interrupting an abandoned request failed")
 
