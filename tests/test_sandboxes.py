@@ -131,9 +131,11 @@ def test_isolation_from_the_host(sandbox, harness) -> None:
     # ps sees only this sandbox: its command namespace's init, the shell and ps itself
     pids = sandbox.exec("ps -e -o pid=,comm=").stdout.split("\n")
     assert len([p for p in pids if p.strip()]) <= 3, pids
-    # a file created by sandbox root is owned by the unprivileged mapped uid on the host
+    # a file created by sandbox root is owned by the unprivileged mapped uid on the host:
+    # the first of its family's own range (never the images' storage range)
     sandbox.exec("echo x > /root/owned.txt")
-    assert harness.host_path(sandbox, "/root/owned.txt").stat().st_uid == UID_BASE
+    base = harness.engine.get(sandbox.id).body.layers.ids.base
+    assert harness.host_path(sandbox, "/root/owned.txt").stat().st_uid == base > UID_BASE
     # no block devices, and mounting a host disk is refused
     assert sandbox.exec("find /dev -type b").stdout == ""
     r = sandbox.exec("mknod /tmp/disk b 254 0 && mount /tmp/disk /mnt")

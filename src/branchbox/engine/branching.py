@@ -133,7 +133,7 @@ class Branching:
                        limits: Limits) -> tuple[str, Body]:
         """A child's id, writable volume and cgroup; its channel is created at hand-over."""
         sid, key = new_id(), secrets.token_hex(8)
-        stack = self.layers.new_stack(lowers, parent.base, parent.workspace)
+        stack = self.layers.new_stack(lowers, parent.base, parent.workspace, ids=parent.ids)
         try:
             cgroup = SandboxCgroup.create(self.config.cgroup_group, key, limits)
         except BaseException:

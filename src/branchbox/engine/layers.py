@@ -19,9 +19,13 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from branchbox.runtime import rootfs
 from branchbox.storage import squash
+
+if TYPE_CHECKING:
+    from branchbox.engine.idranges import IdRange
 
 
 @dataclass(eq=False)
@@ -38,7 +42,8 @@ class FrozenLayer:
 @dataclass(eq=False)
 class WorkspaceLower:
     """A host directory as a workspace's bottom layer: an idmapped detached mount of it
-    (host owners appear as the same ids inside the sandbox), shared by every branch."""
+    (host owners appear as the same ids inside the sandbox), shared by every branch
+    of the families of one id slot (the mapping is the slot's)."""
 
     host: Path
     fd: int
@@ -64,6 +69,7 @@ class LayerStack:
     base: list[Path] = field(default_factory=list)  # agent layer over the image
     workspace: WorkspaceBranch | None = None
     disk_bytes: int | None = None  # what ``volume`` may hold; None: unbounded
+    ids: IdRange | None = None  # the family's host id range (held while the stack lives)
 
     def lowers(self) -> list[Path]:
         return [layer.lowerdir for layer in self.frozen] + self.base
@@ -73,8 +79,11 @@ class LayerStack:
         return [self.volume / "upper", *self.lowers()]
 
     def tree(self) -> int:
-        """A detached overlay mount of this stack (the sandbox's root)."""
-        return rootfs.overlay_tree(self.volume / "upper", self.volume / "work", self.lowers())
+        """A detached overlay mount of this stack (the sandbox's root). The base layers
+        stack as the family's range sees them (the image id-mapped into it)."""
+        lowers: list[Path | int] = [layer.lowerdir for layer in self.frozen]
+        lowers += [self.ids.lower(path) for path in self.base]
+        return rootfs.overlay_tree(self.volume / "upper", self.volume / "work", lowers)
 
     def workspace_dirs(self) -> list[Path]:
         """The workspace's layer directories above the host directory, top first."""
@@ -111,11 +120,11 @@ class Layers:
         return self.root / f"{prefix}-{secrets.token_hex(8)}"
 
     def new_stack(self, frozen: list[FrozenLayer], base: list[Path],
-                  workspace: WorkspaceBranch | None = None, *,
+                  workspace: WorkspaceBranch | None = None, *, ids: IdRange,
                   disk_bytes: int | None = None) -> LayerStack:
-        """A new writable volume over ``frozen`` and ``base``, bounded to ``disk_bytes``
-        if given, else to the limit of the sandbox the top frozen layer came from (fork
-        inherits), else to the default.
+        """A new writable volume of the family of id range ``ids`` over ``frozen`` and
+        ``base``, bounded to ``disk_bytes`` if given, else to the limit of the sandbox the
+        top frozen layer came from (fork inherits), else to the default.
 
         The limit is set before anything is written to the volume, and before the
         sandbox runs: a volume is never unbounded while hostile code can reach it.
@@ -127,13 +136,15 @@ class Layers:
         try:
             if disk_bytes is not None and self.set_limit is not None:
                 self.set_limit(volume, disk_bytes)
-            rootfs.prepare_writable(volume, workspace.lower.host if workspace else None)
+            rootfs.prepare_writable(volume, ids.base,
+                                    workspace.lower.host if workspace else None)
         except BaseException:
             self.backend.delete(volume)
             raise
         for layer in frozen:
             layer.refs += 1
-        stack = LayerStack(volume, list(frozen), list(base), disk_bytes=disk_bytes)
+        ids.hold()
+        stack = LayerStack(volume, list(frozen), list(base), disk_bytes=disk_bytes, ids=ids)
         if workspace is not None:
             self._join(stack, workspace)
         return stack
@@ -148,7 +159,7 @@ class Layers:
 
     def add_workspace(self, stack: LayerStack, workspace: WorkspaceBranch) -> None:
         """Give a running sandbox's stack (a warm one) a workspace after the fact."""
-        rootfs.prepare_workspace(stack.volume, workspace.lower.host)
+        rootfs.prepare_workspace(stack.volume, workspace.lower.host, stack.ids.base)
         self._join(stack, workspace)
 
     @staticmethod
@@ -169,12 +180,16 @@ class Layers:
         return FrozenLayer(path, disk_bytes=layers[0].disk_bytes)
 
     def release(self, stack: LayerStack) -> None:
-        """Delete the writable volume and drop references to frozen layers."""
+        """Delete the writable volume and drop references to frozen layers; then let go
+        of the family's id range (its last layers are gone)."""
         with contextlib.suppress(FileNotFoundError):
             self.backend.delete(stack.volume)
         for layer in stack.frozen:
             self.drop(layer)
         stack.frozen = []
+        ids, stack.ids = stack.ids, None
+        if ids is not None:
+            ids.drop()
         if stack.workspace is not None:
             stack.workspace.lower.users -= 1
             if stack.workspace.lower.users == 0:

@@ -27,6 +27,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 CREATE TABLE IF NOT EXISTS commits (host TEXT PRIMARY KEY, started REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS id_slots (slot INTEGER PRIMARY KEY, family TEXT NOT NULL,
+                                     taken REAL NOT NULL);
 """
 
 
@@ -83,6 +85,20 @@ class Records:
 
     def pending_commits(self) -> list[Path]:
         return [Path(row[0]) for row in self.db.execute("SELECT host FROM commits")]
+
+    def take_slot(self, slot: int, family: str) -> None:
+        """Note that family ``family`` runs in (and its layers hold files of) id slot
+        ``slot`` (see engine.idranges): a restarted daemon hands it out again only once
+        nothing of that family is left."""
+        self.db.execute("INSERT OR REPLACE INTO id_slots VALUES (?, ?, ?)",
+                        (slot, family, time.time()))
+
+    def free_slot(self, slot: int) -> None:
+        self.db.execute("DELETE FROM id_slots WHERE slot = ?", (slot,))
+
+    def slots(self) -> dict[int, str]:
+        """Id slots taken, and by which family."""
+        return dict(self.db.execute("SELECT slot, family FROM id_slots").fetchall())
 
     def close(self) -> None:
         self.db.close()

@@ -11,7 +11,6 @@ import contextlib
 import functools
 import itertools
 import logging
-import os
 import resource
 import secrets
 import time
@@ -22,9 +21,9 @@ from branchbox.agent.protocol import ChannelClosed
 from branchbox.engine import errors
 from branchbox.engine.branching import Branching
 from branchbox.engine.config import EngineConfig
+from branchbox.engine.idranges import IdRanges
 from branchbox.engine.layers import (
     Layers,
-    WorkspaceBranch,
     WorkspaceLower,
 )
 from branchbox.engine.live import Body, FamilyHandle, Live, new_id
@@ -71,8 +70,8 @@ class Engine(WarmPool, Branching, Workspaces):
         self._generations = itertools.count(1)
         self._unfavor = None
         self._background: set[asyncio.Task] = set()
-        self._idmap_userns = -1
-        self._workspace_lowers: dict[Path, WorkspaceLower] = {}
+        self.ids: IdRanges | None = None  # each family's own host id range
+        self._workspace_lowers: dict[tuple[Path, int], WorkspaceLower] = {}
         self._workspace_versions: dict[Path, int] = {}
         self._warm: dict[str, list[Live]] = {}
         self._refilling: dict[str, asyncio.Task] = {}
@@ -88,6 +87,7 @@ class Engine(WarmPool, Branching, Workspaces):
         ATTACH_DIR.mkdir(parents=True, exist_ok=True)
         _raise_fd_limit()
         self.records = Records(cfg.data_dir / "sandboxes.db")
+        self.ids = IdRanges(self.records)  # recorded slots stay taken until recover()
         self._unfavor = favor_dynamic_moves(cfg.data_dir / "run" / "cgroup-favor")
         self._reap_leftovers()
         self.store = choose_backend(cfg.data_dir, cfg.storage)
@@ -101,8 +101,9 @@ class Engine(WarmPool, Branching, Workspaces):
         else:
             log.warning("no per-sandbox disk limits: %s", self.store.no_quota)
         self._clear_volumes()
+        # The store is empty now: no file of an earlier family's range is left in a layer.
+        self.ids.recover({rec.family for rec in self.records.live()})
         self.agent_layer = rootfs.prepare_agent_layer(cfg.data_dir / "agent-layer")
-        self._idmap_userns = rootfs.idmap_userns()
         for host in self.records.pending_commits():  # the daemon died inside a commit
             outcome = workspace_commit.recover(host)
             log.warning("commit into %s interrupted by a crash: %s", host, outcome)
@@ -135,8 +136,8 @@ class Engine(WarmPool, Branching, Workspaces):
         self.signal_guard.stop()
         if self._unfavor is not None:
             self._unfavor()
-        if self._idmap_userns >= 0:
-            os.close(self._idmap_userns)
+        if self.ids is not None:
+            self.ids.close()
         if self.store is not None:
             self.store.close()
         if self.records is not None:
@@ -221,7 +222,7 @@ class Engine(WarmPool, Branching, Workspaces):
         disk_mb: int | None = None,
     ) -> Live:
         _check_env(env)
-        branch = self._workspace_branch(workspace) if workspace is not None else None
+        host = self._workspace_host(workspace) if workspace is not None else None
         cwd = cwd or "/root"
         if not cwd.startswith("/") or ".." in cwd.split("/") or "\0" in cwd:
             raise errors.InvalidRequest(f"cwd must be an absolute path without '..': {cwd!r}")
@@ -232,7 +233,7 @@ class Engine(WarmPool, Branching, Workspaces):
                 raise errors.InvalidRequest(f"{name} must be between 0 and 604800 seconds")
         self._check_disk_mb(disk_mb)
         meta = {"cwd": cwd, "memory_mb": memory_mb, "timeout": timeout, "disk_mb": disk_mb,
-                "workspace": str(branch.lower.host) if branch else None}
+                "workspace": str(host) if host else None}
         sb = self._take_warm(image)
         if sb is not None:  # a warm sandbox: give it this request's settings
             if memory_mb is not None:
@@ -241,8 +242,9 @@ class Engine(WarmPool, Branching, Workspaces):
             try:
                 if disk_mb is not None:
                     self.layers.limit(sb.body.layers, disk_mb << 20)
-                if branch is not None:  # before configure: cwd may be inside it
-                    await self._attach_workspace(sb.body, branch)
+                if host is not None:  # before configure: cwd may be inside it
+                    await self._attach_workspace(
+                        sb.body, self._workspace_branch(host, sb.body.layers.ids))
                 await sb.body.channel.call("configure", {"env": env or {}, "cwd": cwd})
             except (AgentError, ChannelClosed, OSError) as exc:
                 await self._destroy_body(sb.body)
@@ -254,7 +256,7 @@ class Engine(WarmPool, Branching, Workspaces):
             # Started in "/" and moved to its cwd by the agent, as a warm sandbox is: a cwd
             # that cannot be one (a file, a name too long) is then the agent's
             # InvalidRequest, not a failed sandbox entry (a 500).
-            sb = await self._spawn(image, {**meta, "cwd": "/"}, env, branch)
+            sb = await self._spawn(image, {**meta, "cwd": "/"}, env, host)
             sb.record.meta = meta
             try:
                 await sb.body.channel.call("configure", {"env": {}, "cwd": cwd})
@@ -270,14 +272,23 @@ class Engine(WarmPool, Branching, Workspaces):
         return sb
 
     async def _spawn(self, image: str, meta: dict, env: dict[str, str] | None,
-                     branch: WorkspaceBranch | None) -> Live:
-        """A new family and its first sandbox (not yet adopted: no timer, not listed)."""
+                     workspace: Path | None) -> Live:
+        """A new family and its first sandbox (not yet adopted: no timer, not listed), in
+        a host id range of its own, with host directory ``workspace`` (validated) if any."""
         base = await self._base_layers(image)
         sid = new_id()
         key = secrets.token_hex(8)
         disk_mb = meta.get("disk_mb")
-        stack = self.layers.new_stack([], base, branch,
-                                      disk_bytes=None if disk_mb is None else disk_mb << 20)
+        ids = self.ids.allocate(sid)  # held by the family's processes, dropped at its exit
+        try:
+            for path in base:  # a slot's first family maps the image (a process start)
+                await asyncio.to_thread(ids.lower, path)
+            branch = self._workspace_branch(workspace, ids) if workspace is not None else None
+            stack = self.layers.new_stack([], base, branch, ids=ids,
+                                          disk_bytes=None if disk_mb is None else disk_mb << 20)
+        except BaseException:
+            ids.drop()
+            raise
         cgroup = None
         try:
             cgroup = SandboxCgroup.create(self.config.cgroup_group, key,
@@ -289,6 +300,7 @@ class Engine(WarmPool, Branching, Workspaces):
                 cmds_cgroup_fds=cgroup.join_fds("cmds"),
                 mounts=stack.mounts(),
                 hostname=sid,
+                uid_base=ids.base,
                 env=full_env,
                 cwd=meta["cwd"],
                 attach=ATTACH_DIR,
@@ -299,7 +311,9 @@ class Engine(WarmPool, Branching, Workspaces):
             if cgroup is not None:
                 cgroup.remove()
             self.layers.release(stack)
+            ids.drop()  # the family never ran, or was killed and reaped
             raise
+        family.on_exit = ids.drop
         body = Body(key, stack, cgroup, channel)
         record = SandboxRecord(id=sid, family=sid, instance=key, image=image, meta=meta)
         return Live(record, body, FamilyHandle(family, {sid}))

@@ -18,20 +18,20 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from branchbox.engine import errors
+from branchbox.engine.idranges import IdRange
 from branchbox.engine.layers import (
     WorkspaceBranch,
     WorkspaceLower,
 )
 from branchbox.engine.live import Body
-from branchbox.runtime import rootfs
 from branchbox.storage import workspace_commit
 
 
 class Workspaces:
     """Mixed into Engine (uses its config, layers, records and locks)."""
 
-    def _workspace_branch(self, workspace: str) -> WorkspaceBranch:
-        """Validate a host directory and open it as a new branch's workspace."""
+    def _workspace_host(self, workspace: str) -> Path:
+        """Validate a host directory as a workspace; returns its real path."""
         if not isinstance(workspace, str) or not workspace.startswith("/") or "\0" in workspace:
             raise errors.InvalidRequest(f"workspace must be an absolute path: {workspace!r}")
         host = Path(os.path.realpath(workspace))
@@ -42,10 +42,15 @@ class Workspaces:
         if host in forbidden or host.is_relative_to(data) or data.is_relative_to(host) \
                 or any(host.is_relative_to(p) for p in forbidden[1:]):
             raise errors.InvalidRequest(f"{host} cannot be a workspace")
-        lower = self._workspace_lowers.get(host)
+        return host
+
+    def _workspace_branch(self, host: Path, ids: IdRange) -> WorkspaceBranch:
+        """Open host directory ``host`` (validated) as a workspace of a family of ``ids``:
+        its bottom layer shows host owners in that family's range."""
+        lower = self._workspace_lowers.get((host, ids.slot))
         if lower is None or lower.users == 0:
-            lower = WorkspaceLower(host, rootfs.idmapped_tree(host, self._idmap_userns))
-            self._workspace_lowers[host] = lower
+            lower = WorkspaceLower(host, ids.host_tree(host))
+            self._workspace_lowers[(host, ids.slot)] = lower
         return WorkspaceBranch(lower, since=time.time(),
                                version=self._workspace_versions.get(host, 0))
 

@@ -4,7 +4,8 @@ The launcher is a fresh interpreter started with ``-I -S`` (no site, no
 environment) so it starts in milliseconds and inherits nothing from the
 daemon but the fds it is given. The daemon writes the user namespace's id
 maps itself: it is root in the parent namespace, which is what the kernel
-asks of the writer.
+asks of the writer. Each family gets a host id range of its own (the caller
+allocates it, see engine.idranges): ``uid_base``.. for ids 0.. inside.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import json
 import os
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from branchbox.runtime.channel import AgentChannel
-from branchbox.storage.idmap import UID_BASE, UID_COUNT
+from branchbox.storage.idmap import UID_COUNT
 
 _SRC = str(Path(__file__).resolve().parents[2])
 _BOOT = (
@@ -34,14 +36,22 @@ class SpawnError(RuntimeError):
 
 @dataclass
 class Family:
-    """A running family: its launcher (kill it and the whole family dies)."""
+    """A running family: its launcher (kill it and the whole family dies).
+
+    ``on_exit`` runs once, after the launcher is reaped: the owner of the family's id
+    range lets go of it there (no process of the family runs in it any more).
+    """
 
     launcher: asyncio.subprocess.Process
+    on_exit: Callable[[], None] | None = None
 
     async def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             self.launcher.kill()
         await self.launcher.wait()
+        done, self.on_exit = self.on_exit, None
+        if done is not None:
+            done()
 
 
 async def _read_some(fd: int, timeout: float) -> bytes:
@@ -56,8 +66,9 @@ async def _read_some(fd: int, timeout: float) -> bytes:
     return os.read(fd, 4096)
 
 
-def _write_id_maps(pid: int) -> None:
-    mapping = f"0 {UID_BASE} {UID_COUNT}\n"
+def _write_id_maps(pid: int, uid_base: int) -> None:
+    """Map the family's ids 0..65535 onto its own host range ``uid_base``.."""
+    mapping = f"0 {uid_base} {UID_COUNT}\n"
     Path(f"/proc/{pid}/uid_map").write_text(mapping)
     Path(f"/proc/{pid}/gid_map").write_text(mapping)
 
@@ -79,6 +90,7 @@ async def spawn_family(
     cmds_cgroup_fds: list[int],
     mounts: list[tuple[int, str]] = (),
     hostname: str,
+    uid_base: int,
     env: dict[str, str],
     cwd: str,
     attach: Path,
@@ -89,7 +101,7 @@ async def spawn_family(
     """Start a family whose first sandbox enters ``tree_fd``; returns it once the REPL answers.
 
     Consumes ``tree_fd``, the cgroup fds and the fds of ``mounts`` (more trees to
-    attach in the root: (fd, path in the sandbox)).
+    attach in the root: (fd, path in the sandbox)). Sandbox root is host id ``uid_base``.
     """
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     status_r, status_w = os.pipe()
@@ -134,7 +146,7 @@ async def spawn_family(
     try:
         if await _read_some(status_r, timeout) != b"u":
             raise SpawnError(f"the launcher died before making its user namespace (see {log_path})")
-        _write_id_maps(launcher.pid)
+        _write_id_maps(launcher.pid, uid_base)
         os.write(go_w, b"g")
         channel = AgentChannel(ours)
         ping = asyncio.ensure_future(channel.call("ping"))

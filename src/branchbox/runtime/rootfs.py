@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from branchbox.agent import sysc
-from branchbox.storage.idmap import UID_BASE, UID_COUNT
+from branchbox.storage.idmap import UID_COUNT
 
 _MOUNT_ATTR_NODEV = 0x4
 _AGENT_SOURCE = Path(__file__).resolve().parent.parent / "agent"
@@ -106,23 +106,24 @@ def _compile_init(dest: Path) -> None:
         raise RuntimeError(f"building {source} failed:\n{exc.stderr}") from exc
 
 
-def prepare_writable(volume: Path, workspace: Path | None = None) -> None:
-    """Lay out a fresh volume: upper/ and work/ for the root, and with a workspace also
-    its layers and mount point (see :func:`prepare_workspace`)."""
+def prepare_writable(volume: Path, uid_base: int, workspace: Path | None = None) -> None:
+    """Lay out a fresh volume of a family whose root is host id ``uid_base``: upper/ and
+    work/ for the root, and with a workspace also its layers and mount point (see
+    :func:`prepare_workspace`)."""
     upper = volume / "upper"
     (volume / "work").mkdir()
     upper.mkdir()
-    _own(upper)
+    _own(upper, uid_base)
     if workspace is not None:
-        prepare_workspace(volume, workspace)
+        prepare_workspace(volume, workspace, uid_base)
         point = upper
         for part in workspace.parts[1:]:
             point = point / part
             point.mkdir()
-            _own(point)
+            _own(point, uid_base)
 
 
-def prepare_workspace(volume: Path, workspace: Path) -> None:
+def prepare_workspace(volume: Path, workspace: Path, uid_base: int) -> None:
     """ws/upper and ws/work in a volume, for a workspace of host directory ``workspace``.
 
     The workspace's layers live in the same volume as the root's, so the one snapshot
@@ -133,23 +134,26 @@ def prepare_workspace(volume: Path, workspace: Path) -> None:
     ws_upper = volume / "ws" / "upper"
     ws_upper.mkdir()
     # The overlay's top directory takes its owner and mode from the upper one: make it
-    # the host directory's, seen through the id shift like everything below it.
+    # the host directory's, seen through the family's id shift like everything below it.
     host = workspace.stat()
-    os.chown(ws_upper, host.st_uid + UID_BASE, host.st_gid + UID_BASE)
+    os.chown(ws_upper, host.st_uid + uid_base, host.st_gid + uid_base)
     ws_upper.chmod(stat.S_IMODE(host.st_mode))
 
 
-def _own(path: Path) -> None:
-    os.chown(path, UID_BASE, UID_BASE)
+def _own(path: Path, uid_base: int) -> None:
+    os.chown(path, uid_base, uid_base)
     path.chmod(0o755)
 
 
-def idmap_userns() -> int:
-    """An fd of a user namespace mapping 0..65535 onto the sandboxes' host range.
+def idmap_userns(inside: int, outside: int, count: int = UID_COUNT) -> int:
+    """An fd of a user namespace mapping ids ``inside``.. onto host ids ``outside``..
+    (``count`` of each, uids and gids alike).
 
-    Idmapped mounts take their mapping from a user namespace; this one is made
-    once, by a throwaway `unshare --user` process (never a fork of the threaded
-    daemon), and outlives it through the fd.
+    An idmapped mount of it shows a file stored with id ``inside + i`` as owned by
+    host id ``outside + i``, and ids outside the map as nobody's. Idmapped mounts
+    take their mapping from a user namespace; this one is made by a throwaway
+    `unshare --user` process (never a fork of the threaded daemon) and outlives it
+    through the fd. Costs a process start: callers make one per mapping and keep it.
     """
     holder = subprocess.Popen(["unshare", "--user", "--", "sleep", "60"],
                               stdin=subprocess.DEVNULL)
@@ -160,7 +164,7 @@ def idmap_userns() -> int:
             if holder.poll() is not None or time.monotonic() > deadline:
                 raise OSError("could not create the id-mapping user namespace")
             time.sleep(0.001)
-        mapping = f"0 {UID_BASE} {UID_COUNT}\n"
+        mapping = f"{inside} {outside} {count}\n"
         Path(f"/proc/{holder.pid}/uid_map").write_text(mapping)
         Path(f"/proc/{holder.pid}/gid_map").write_text(mapping)
         return os.open(f"/proc/{holder.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
@@ -170,8 +174,14 @@ def idmap_userns() -> int:
 
 
 def idmapped_tree(path: Path, userns_fd: int) -> int:
-    """A detached mount of host directory ``path`` whose owners appear shifted into the
-    sandbox range: a host file of uid 0 is root's inside, uid 1000 is uid 1000's."""
+    """A detached mount of host directory ``path`` whose owners appear through
+    ``userns_fd``'s map (see :func:`idmap_userns`).
+
+    A workspace, with a map of 0.. onto a family's range: a host file of uid 0 is
+    root's inside, uid 1000 is uid 1000's. An image, with a map of its storage range
+    onto the family's: it shows owned by root inside. Such a mount can be an overlay
+    lower layer (overlayfs takes idmapped layers since Linux 5.19), and one mount
+    serves any number of overlays; copy-up writes the mapped (the family's) ids."""
     tree = sysc.open_tree(str(path), sysc.OPEN_TREE_CLONE | os.O_CLOEXEC)
     try:
         sysc.mount_setattr_idmap(tree, userns_fd)
