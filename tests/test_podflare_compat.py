@@ -11,12 +11,6 @@ image (built on first use).
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import zlib
@@ -31,59 +25,20 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.schemas import APIOperation
+from served import ServedDaemon
 
 API_KEY = "pf-compat-test-key"
 MISSING = "sbx_" + "0" * 32
 
 
-class Daemon:
-    """A ``branchbox serve`` process on a free loopback port, with its data directory."""
+class Daemon(ServedDaemon):
+    """A ``branchbox serve`` process with Podflare's keys."""
 
     def __init__(self, env: dict[str, str], *extra: str) -> None:
-        if os.geteuid() != 0:
-            pytest.fail("these tests need root: the daemon makes namespaces, cgroups and mounts")
-        # Not pytest's tmp_path: its parents are 0700, and a sandbox's mapped root must be
-        # able to traverse the data directory to attach its root filesystem.
-        self.data_dir = Path(tempfile.mkdtemp(prefix="branchbox-test-podflare-"))
-        self.data_dir.chmod(0o755)
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = self.data_dir / "test-daemon.log"
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "branchbox", "serve", "--host", "127.0.0.1", "--port",
-                 str(port), "--data-dir", str(self.data_dir), "--storage", "copy", *extra],
-                env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
-        while not self._healthy():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                pytest.fail(f"the daemon did not start:\n{self.log.read_text()}")
-            time.sleep(0.1)
-
-    def _healthy(self) -> bool:
-        try:
-            return httpx.get(f"{self.url}/v1/healthz", timeout=2).text == "ok"
-        except httpx.TransportError:
-            return False
+        super().__init__("podflare", env, *extra)
 
     def client(self, key: str | None = API_KEY) -> httpx.Client:
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=120)
-
-    def stop(self) -> None:
-        """SIGTERM (which closes every sandbox), then remove the data directory."""
-        try:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                assert self.proc.wait(60) == 0, self.log.read_text()
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-            shutil.rmtree(self.data_dir)
+        return super().client(key)
 
 
 @contextmanager

@@ -13,12 +13,7 @@ Liveness bounds are generous on purpose: these are not timings.
 from __future__ import annotations
 
 import os
-import shutil
-import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from served import ServedDaemon
 
 API_KEY = "agent-input-test-key"
 LIVE = 10.0  # seconds within which the daemon must answer under attack (liveness)
@@ -61,39 +57,13 @@ def frame(header, payload=b""):
 '''
 
 
-class Daemon:
-    """A ``branchbox serve`` process on a loopback port, and an HTTP client for it."""
+class Daemon(ServedDaemon):
+    """A ``branchbox serve`` process, and an HTTP client for it."""
 
     def __init__(self) -> None:
-        if os.geteuid() != 0:
-            pytest.fail("these tests need root: the daemon makes namespaces, cgroups and mounts")
-        # Not pytest's tmp_path: a sandbox's mapped root must traverse the data directory.
-        self.data_dir = Path(tempfile.mkdtemp(prefix="branchbox-test-agent-input-"))
-        self.data_dir.chmod(0o755)
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = self.data_dir / "test-daemon.log"
         env = {**os.environ, "BRANCHBOX_API_KEY": API_KEY}
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "branchbox", "serve", "--host", "127.0.0.1", "--port",
-                 str(port), "--data-dir", str(self.data_dir), "--storage", "copy"],
-                env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        self.http = httpx.Client(base_url=self.url, timeout=120,
-                                 headers={"Authorization": f"Bearer {API_KEY}"})
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"the daemon exited while starting:\n{self.log.read_text()}")
-            try:
-                if self.http.get("/v1/healthz", timeout=2).text == "ok":
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        pytest.fail(f"the daemon did not answer within 120 s:\n{self.log.read_text()}")
+        super().__init__("agent-input", env)
+        self.http = self.client(API_KEY)
 
     def rss(self) -> int:
         """The daemon's resident memory, bytes."""
@@ -130,15 +100,7 @@ class Daemon:
 
     def stop(self) -> None:
         self.http.close()
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            pytest.fail("the daemon ignored SIGTERM for 60 s")
-        finally:
-            shutil.rmtree(self.data_dir, ignore_errors=True)
+        super().stop()
 
 
 def _ppid(pid: int) -> int | None:

@@ -1,0 +1,71 @@
+"""A real ``branchbox serve`` process for tests that need one (a socket, a client that
+really disconnects, a daemon's own memory), with its own data directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+class ServedDaemon:
+    """``branchbox serve`` on a free loopback port (copy storage), started and healthy."""
+
+    def __init__(self, prefix: str, env: dict[str, str], *extra: str) -> None:
+        if os.geteuid() != 0:
+            pytest.fail("these tests need root: the daemon makes namespaces, cgroups and mounts")
+        # Not pytest's tmp_path: its parents are 0700, and a sandbox's mapped root must be
+        # able to traverse the data directory to attach its root filesystem.
+        self.data_dir = Path(tempfile.mkdtemp(prefix=f"branchbox-test-{prefix}-"))
+        self.data_dir.chmod(0o755)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = self.data_dir / "test-daemon.log"
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "branchbox", "serve", "--host", "127.0.0.1", "--port",
+                 str(port), "--data-dir", str(self.data_dir), "--storage", "copy", *extra],
+                env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while not self._healthy():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"the daemon did not start:\n{self.log.read_text()}")
+            time.sleep(0.1)
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/v1/healthz", timeout=2).text == "ok"
+        except httpx.TransportError:
+            return False
+
+    def client(self, key: str | None) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=120)
+
+    def stop(self) -> None:
+        """SIGTERM (which closes every sandbox), then remove the data directory."""
+        try:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    code = self.proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    pytest.fail("the daemon ignored SIGTERM for 60 s")
+                assert code == 0, self.log.read_text()
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            shutil.rmtree(self.data_dir, ignore_errors=True)
