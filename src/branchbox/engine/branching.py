@@ -25,7 +25,7 @@ from branchbox.engine.layers import (
 from branchbox.engine.live import Body, Live, new_id
 from branchbox.engine.records import SandboxRecord
 from branchbox.runtime import procfs
-from branchbox.runtime.cgroups import Limits, SandboxCgroup
+from branchbox.runtime.cgroups import FreezeFailed, Limits, SandboxCgroup
 from branchbox.runtime.channel import AgentChannel, AgentError
 from branchbox.storage import layerdiff
 
@@ -45,6 +45,8 @@ class Branching:
         try:
             channel = self._check_alive(parent)
             return await self._fork_locked(parent, channel, n)
+        except FreezeFailed as exc:  # no frozen instant to fork from: nothing was made
+            raise errors.Conflict(f"fork failed: {exc}") from None
         finally:
             parent.lock.release()
 
@@ -61,7 +63,8 @@ class Branching:
         pending: list = []  # each slot's answer, then each child's hello
         batch_open = False
         try:
-            fresh.append(await asyncio.to_thread(self.layers.freeze, pbody.layers))
+            fresh.append(await asyncio.to_thread(self.layers.freeze, pbody.layers,
+                                                    pbody.cgroup))
             lowers = [fresh[0], *pbody.layers.frozen]
             if len(lowers) > MAX_CHAIN:
                 fresh.append(await asyncio.to_thread(self.layers.squash, lowers))

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from branchbox.runtime import rootfs
+from branchbox.runtime.cgroups import SandboxCgroup
 from branchbox.storage import squash
 
 if TYPE_CHECKING:
@@ -167,10 +168,24 @@ class Layers:
         stack.workspace = replace(workspace)
         workspace.lower.users += 1
 
-    def freeze(self, stack: LayerStack) -> FrozenLayer:
-        """Capture ``stack``'s writable volume as a new frozen layer (O(1) on btrfs)."""
+    def freeze(self, stack: LayerStack, hold: SandboxCgroup | None = None) -> FrozenLayer:
+        """Capture ``stack``'s writable volume as a new frozen layer (O(1) on btrfs).
+
+        A btrfs snapshot is one atomic instant whatever runs meanwhile. Any other
+        backend copies the live volume file by file, so with ``hold`` (the sandbox's
+        cgroup) the whole sandbox, REPL threads included, is frozen for the copy: a
+        frozen layer that children share must be one instant, not a mix of before
+        and after a thread's renames. Raises FreezeFailed if it would not freeze.
+        """
         path = self._new_path("f")
-        self.backend.snapshot(stack.volume, path, readonly=True)
+        if hold is None or self.backend.name == "btrfs":
+            self.backend.snapshot(stack.volume, path, readonly=True)
+        else:
+            hold.freeze()
+            try:
+                self.backend.snapshot(stack.volume, path, readonly=True)
+            finally:
+                hold.freeze(frozen=False)  # a leaf frozen on its own stays frozen
         return FrozenLayer(path, disk_bytes=stack.disk_bytes)
 
     def squash(self, layers: list[FrozenLayer]) -> FrozenLayer:

@@ -24,6 +24,7 @@ from branchbox.engine.layers import (
     WorkspaceLower,
 )
 from branchbox.engine.live import Body
+from branchbox.runtime.cgroups import FreezeFailed
 from branchbox.storage import workspace_commit
 
 
@@ -87,6 +88,9 @@ class Workspaces:
             except workspace_commit.WorkspaceConflict as exc:  # refused before any change
                 self.records.end_commit(host)
                 raise errors.Conflict(str(exc)) from None
+            except FreezeFailed as exc:  # refused before anything was read
+                self.records.end_commit(host)
+                raise errors.Conflict(f"commit refused: {exc}") from None
             except Exception as exc:
                 # It may have failed after its commit point: finish or undo it now, so the
                 # directory is entirely old or entirely new before anyone looks.

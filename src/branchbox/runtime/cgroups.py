@@ -30,6 +30,14 @@ from branchbox.agent import sysc
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 V1_CONTROLLERS = ("memory", "pids", "cpu", "freezer")
 LEAVES = ("repl", "cmds")
+# How long freeze() waits for the kernel to report a cgroup frozen. Read at each call.
+FREEZE_TIMEOUT = 2.0
+
+
+class FreezeFailed(RuntimeError):
+    """A cgroup did not reach the frozen state in time: some task in it cannot be frozen
+    (it is stuck in the kernel, e.g. retrying a userfaultfd fault). The cgroup was put
+    back to thawed, so the caller holds no half-frozen sandbox."""
 
 
 class CgroupUnavailable(RuntimeError):
@@ -165,25 +173,50 @@ class SandboxCgroup:
         return sorted(found)
 
     def freeze(self, leaf: str | None = None, frozen: bool = True) -> None:
-        """Freeze (or thaw) the whole sandbox or one leaf; returns once it took effect."""
+        """Freeze (or thaw) the whole sandbox or one leaf; returns once it took effect.
+
+        Raises :class:`FreezeFailed` when freezing did not take effect within
+        :data:`FREEZE_TIMEOUT` seconds, after thawing the target again: a caller that
+        needs a frozen instant (fork's snapshot, commit's read) must not go on with
+        some of the sandbox's tasks still running, and must not leave the rest frozen
+        either. Thawing never raises (it is what cleanup paths do).
+        """
         if not self.dirs:  # removed (the sandbox was closed meanwhile): nothing to do
             return
+        if self._set_frozen(leaf, frozen) or not frozen:
+            return
+        self._set_frozen(leaf, False)
+        where = f"the {leaf} leaf of " if leaf else ""
+        raise FreezeFailed(f"{where}the sandbox did not freeze within {FREEZE_TIMEOUT:g} s "
+                           "(a process in it cannot be frozen)")
+
+    def _set_frozen(self, leaf: str | None, frozen: bool) -> bool:
+        """Write the freezer state and wait for it; whether the kernel reported it in time.
+
+        A thaw is not waited for on v1 (THAWED takes effect at once); on v2 a thawed
+        leaf whose parent is frozen never reports "frozen 0", so its wait is the
+        timeout's and its answer is ignored by :meth:`freeze`.
+        """
+        deadline = time.monotonic() + FREEZE_TIMEOUT
         if self.version == 2:
             target = self.dirs[0] / leaf if leaf else self.dirs[0]
             (target / "cgroup.freeze").write_text("1" if frozen else "0")
             want = "frozen 1" if frozen else "frozen 0"
             events = target / "cgroup.events"
-            deadline = time.monotonic() + 2
-            while want not in events.read_text() and time.monotonic() < deadline:
+            while want not in events.read_text():
+                if time.monotonic() >= deadline:
+                    return False
                 time.sleep(0.0005)
-            return
+            return True
         base = self._file("freezer", "")
         target = base / leaf if leaf else base
         state = target / "freezer.state"
         state.write_text("FROZEN" if frozen else "THAWED")
-        deadline = time.monotonic() + 2
-        while frozen and state.read_text().strip() != "FROZEN" and time.monotonic() < deadline:
+        while frozen and state.read_text().strip() != "FROZEN":
+            if time.monotonic() >= deadline:
+                return False
             time.sleep(0.0005)
+        return True
 
     def memory_bytes(self) -> int:
         name = "memory.current" if self.version == 2 else "memory.usage_in_bytes"
@@ -196,11 +229,17 @@ class SandboxCgroup:
         """SIGKILL everything in the sandbox, including what is forking right now."""
         if not self.dirs:
             return
+        frozen = True
         if self.version == 2:
             (self.dirs[0] / "cgroup.kill").write_text("1")
         else:
             # Frozen processes cannot fork between our read of cgroup.procs and the kill.
-            self.freeze()
+            # A sandbox holding a task the freezer cannot stop is killed without that
+            # guarantee: again and again until nothing is left or the timeout.
+            try:
+                self.freeze()
+            except FreezeFailed:
+                frozen = False
             for pid in self.pids():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
@@ -209,8 +248,16 @@ class SandboxCgroup:
             for leaf in (None, *LEAVES):
                 with contextlib.suppress(FileNotFoundError):
                     self.freeze(leaf, frozen=False)
+            if not frozen:
+                for pid in self.pids():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + timeout
-        while self.pids() and time.monotonic() < deadline:
+        while (left := self.pids()) and time.monotonic() < deadline:
+            if not frozen:
+                for pid in left:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
             time.sleep(0.001)
 
     def remove(self) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 
 from branchbox.agent import sysc
 
@@ -102,3 +103,80 @@ def lstat_beneath(dirfd: int, path: str) -> os.stat_result | None:
         return None
     finally:
         os.close(parent)
+
+
+def open_regular(dirfd: int, path: str) -> tuple[int, os.stat_result] | None:
+    """A read-only fd of the regular file ``path`` below ``dirfd`` and its ``fstat``, or
+    None if no regular file is there (absent, a symlink, a FIFO, a device, a directory).
+
+    Nothing but a regular file is ever opened for reading: the entry is first looked
+    up with ``O_PATH`` (which opens nothing: a FIFO does not block, a device driver is
+    not called), checked with ``fstat`` on that fd, and only then re-opened through
+    ``/proc/self/fd`` — the same inode, whatever the tree holds by then. Any
+    component being a symlink is ELOOP (raised), not followed.
+    """
+    try:
+        pinned = open_beneath(dirfd, path, os.O_PATH)
+    except FileNotFoundError:
+        return None
+    try:
+        st = os.fstat(pinned)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        fd = os.open(f"/proc/self/fd/{pinned}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
+    finally:
+        os.close(pinned)
+    return fd, st
+
+
+def readlink_beneath(dirfd: int, path: str) -> str:
+    """The target of symlink ``path`` below ``dirfd`` (read, never followed)."""
+    parent, name = parent_beneath(dirfd, path)
+    try:
+        return os.readlink(name, dir_fd=parent)
+    finally:
+        os.close(parent)
+
+
+def list_beneath(dirfd: int, path: str) -> list[tuple[str, os.stat_result]]:
+    """Names and ``lstat`` of the entries of directory ``path`` below ``dirfd``.
+
+    Listed and stat'ed through the directory's own fd (``fstatat``, no follow), so an
+    entry swapped for a symlink is seen as the symlink. Raises like :func:`open_beneath`
+    (ENOTDIR or ELOOP when ``path`` is no longer a directory).
+    """
+    fd = open_beneath(dirfd, path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        found = []
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                try:
+                    found.append((entry.name, entry.stat(follow_symlinks=False)))
+                except FileNotFoundError:
+                    continue  # removed since the listing
+        return found
+    finally:
+        os.close(fd)
+
+
+def getxattr_beneath(dirfd: int, path: str, name: str) -> bytes | None:
+    """Extended attribute ``name`` of the directory ``path`` below ``dirfd``; None if the
+    directory or the attribute is absent, or ``path`` is not (or no longer) a directory.
+
+    Read from the directory's own fd: an ``O_PATH`` fd cannot read xattrs, and a path
+    string would follow a symlink swapped into it.
+    """
+    try:
+        fd = open_beneath(dirfd, path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            return None
+        raise
+    try:
+        return os.getxattr(fd, name)
+    except OSError as exc:
+        if exc.errno in (errno.ENODATA, errno.ENOTSUP):
+            return None
+        raise
+    finally:
+        os.close(fd)

@@ -34,6 +34,18 @@ file of 1 EiB apparent size with ``truncate``, a million files, or a FIFO. So
 - it runs on its own small executor (:func:`diff_bounded`), never the default
   thread pool that lifecycle operations (close, fork's snapshot) use, and is
   cancelled when its caller goes away.
+
+Never outside a layer, because the daemon reads as host root while the sandbox
+may be rewriting its live upper layer: every layer directory is opened once,
+and every stat, listing, xattr, readlink and open below it resolves from that
+fd with :mod:`branchbox.storage.beneath` (``openat2`` without following any
+symlink, magic link or mount, never above the layer). A directory swapped for a
+symlink to a host path between two steps makes that step fail (ELOOP/ENOTDIR),
+and the path is reported modified and unverified; it never reaches a host file,
+so the diff's answer cannot tell a sandbox anything about one. Contents are
+read only from fds of regular files opened that way (see
+:func:`branchbox.storage.beneath.open_regular`: a FIFO or device is never
+opened).
 """
 
 from __future__ import annotations
@@ -50,7 +62,8 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from branchbox.storage.overlay import is_opaque, is_whiteout
+from branchbox.storage import beneath
+from branchbox.storage.overlay import OPAQUE, is_whiteout
 
 # Per diff: bytes of file content read (both sides together) and seconds of wall time,
 # counted from the request (time spent queued for a worker counts). Read at each diff,
@@ -109,84 +122,116 @@ class _OverBudget(Exception):
     """Internal: this file's comparison ran out of budget."""
 
 
-def resolve(layers: list[Path], rel: str) -> tuple[str, os.stat_result] | None:
-    """The host path and lstat of sandbox path ``rel`` ("a/b", no leading /), or None."""
+# A layer as the diff reads it: a directory fd opened once; every path below it is
+# resolved from the fd (see branchbox.storage.beneath), never as a string.
+_Found = tuple[int, str, os.stat_result]  # (layer fd, path below it, lstat)
+# What goes wrong when a live layer changes under a step: a component that was a
+# directory is now a symlink (ELOOP), a file (ENOTDIR), or a mount (EXDEV).
+_RACED = (errno.ELOOP, errno.ENOTDIR, errno.EXDEV)
+
+
+def _lstat(layer: int, rel: str) -> os.stat_result | None:
+    """lstat below ``layer``, None if absent; a component that is no directory raises."""
+    return beneath.lstat_beneath(layer, rel)
+
+
+def _is_opaque(layer: int, rel: str) -> bool:
+    return beneath.getxattr_beneath(layer, rel, OPAQUE) == b"y"
+
+
+def resolve(layers: list[int], rel: str) -> _Found | None:
+    """Where sandbox path ``rel`` ("a/b", no leading /) is found in ``layers`` (fds, top
+    first) by overlay rules, with its lstat; None if absent or hidden."""
     parts = rel.split("/")
     for layer in layers:
-        base = str(layer)
         hidden_below = False
         for depth in range(1, len(parts)):
-            ancestor = base + "/" + "/".join(parts[:depth])
-            try:
-                st = os.lstat(ancestor)
-            except FileNotFoundError:
+            ancestor = "/".join(parts[:depth])
+            st = _lstat(layer, ancestor)
+            if st is None:
                 break
             if not stat.S_ISDIR(st.st_mode):
                 return None  # a whiteout or a file replaces a directory on our path
-            if is_opaque(ancestor):
+            if _is_opaque(layer, ancestor):
                 hidden_below = True
-        path = base + "/" + rel
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
+        st = _lstat(layer, rel)
+        if st is None:
             if hidden_below:
                 return None
             continue
-        return None if is_whiteout(st) else (path, st)
+        return None if is_whiteout(st) else (layer, rel, st)
     return None
 
 
-def _walk(root: str, budget: Budget) -> Iterator[tuple[str, os.stat_result]]:
-    """Every entry below ``root`` as (path relative to root, lstat); root itself excluded."""
+def _walk(layer: int, top: str, budget: Budget) -> Iterator[tuple[str, os.stat_result]]:
+    """Every entry below directory ``top`` of ``layer`` as (path relative to top, lstat);
+    top itself excluded. A directory that is gone or no longer one is skipped."""
     stack = [""]
     while stack:
         rel = stack.pop()
         try:
-            entries = list(os.scandir(root + "/" + rel if rel else root))
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        for entry in entries:
+            entries = beneath.list_beneath(layer, _join(top, rel))
+        except OSError as exc:
+            if exc.errno == errno.ENOENT or exc.errno in _RACED:
+                continue
+            raise
+        for name, st in entries:
             if budget.expired():
-                raise DiffTooLarge(f"listing {root} took longer than the diff's "
+                raise DiffTooLarge(f"listing the layers took longer than the diff's "
                                    f"{TIME_BUDGET:g} s budget")
-            sub = f"{rel}/{entry.name}" if rel else entry.name
-            st = entry.stat(follow_symlinks=False)
+            sub = _join(rel, name)
             yield sub, st
             if stat.S_ISDIR(st.st_mode):
                 stack.append(sub)
 
 
 def _join(prefix: str, sub: str) -> str:
-    return f"{prefix}/{sub}" if prefix else sub
+    if not prefix:
+        return sub
+    return f"{prefix}/{sub}" if sub else prefix
 
 
-def _view_files(layers: list[Path], prefix: str, budget: Budget) -> set[str]:
+def _view_files(layers: list[int], prefix: str, budget: Budget) -> set[str]:
     """All non-directory paths visible under ``prefix`` in the merged view of ``layers``."""
     found: set[str] = set()
     for layer in layers:
-        top = f"{layer}/{prefix}"
-        for sub, st in _walk(top, budget):
+        for sub, st in _walk(layer, prefix, budget):
             if not stat.S_ISDIR(st.st_mode):
                 found.add(_join(prefix, sub))
-    return {p for p in found if (r := resolve(layers, p)) and not stat.S_ISDIR(r[1].st_mode)}
+    visible = set()
+    for path in found:
+        try:
+            r = resolve(layers, path)
+        except OSError as exc:
+            if exc.errno not in _RACED:
+                raise
+            visible.add(path)  # changing under us: a candidate, compared (or not) later
+            continue
+        if r and not stat.S_ISDIR(r[2].st_mode):
+            visible.add(path)
+    return visible
 
 
-def _replaces(layer: Path, prefix: str) -> bool:
+def _replaces(layer: int, prefix: str) -> bool:
     """Whether ``layer`` hides what lies below it at ``prefix``: a whiteout, a file or an
     opaque directory at the prefix or at one of its ancestors."""
     parts = [p for p in prefix.split("/") if p]
     for depth in range(1, len(parts) + 1):
-        path = f"{layer}/{'/'.join(parts[:depth])}"
+        path = "/".join(parts[:depth])
         try:
-            st = os.lstat(path)
-        except FileNotFoundError:
+            st = _lstat(layer, path)
+        except OSError as exc:
+            if exc.errno not in _RACED:
+                raise
+            return True  # changing under us: assume the worst (list the lower paths)
+        if st is None:
             return False
-        if not stat.S_ISDIR(st.st_mode) or is_opaque(path):
+        if not stat.S_ISDIR(st.st_mode) or _is_opaque(layer, path):
             return True
     return False
 
 
-def _candidates(unshared: list[Path], others: list[list[Path]], prefix: str,
+def _candidates(unshared: list[int], others: list[list[int]], prefix: str,
                 budget: Budget) -> set[str]:
     """Paths under ``prefix`` that an unshared layer may have changed."""
     found: set[str] = set()
@@ -194,11 +239,10 @@ def _candidates(unshared: list[Path], others: list[list[Path]], prefix: str,
         if _replaces(layer, prefix):  # e.g. `rm -rf /tmp`: the prefix itself went
             for stack in others:
                 found |= _view_files(stack, prefix, budget)
-        top = f"{layer}/{prefix}"
-        for sub, st in _walk(top, budget):
+        for sub, st in _walk(layer, prefix, budget):
             rel = _join(prefix, sub)
             if stat.S_ISDIR(st.st_mode):
-                if is_opaque(f"{top}/{sub}"):
+                if _is_opaque(layer, rel):
                     found.add(rel)  # it may replace a file of the same name
                     for stack in others:
                         found |= _view_files(stack, rel, budget)
@@ -369,51 +413,41 @@ def _same_data(fd_a: int, fd_b: int, size: int, budget: Budget) -> bool:
     return pos >= size  # a map that ended early (truncated under us) proves nothing
 
 
-def _open_regular(path: str) -> int | None:
-    """An fd of the regular file at ``path``, or None if it is no longer one (the layer is
-    live: the sandbox may have swapped it for a FIFO or a symlink since the lstat)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-                     | os.O_NOCTTY)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.ENOENT):
-            return None
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        return None
-    return fd
+def _same_content(a: _Found, b: _Found, budget: Budget) -> bool:
+    """Whether two resolved entries hold the same file, as far as can be proven.
 
-
-def _same_content(a: tuple[str, os.stat_result], b: tuple[str, os.stat_result],
-                  budget: Budget) -> bool:
-    """Whether two resolved paths hold the same file, as far as can be proven.
-
-    Raises _OverBudget when the budget ran out before an answer."""
-    (pa, sa), (pb, sb) = a, b
-    if pa == pb or (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino):
+    Raises _OverBudget when the budget ran out before an answer, OSError when an entry
+    changed into something unreadable under us."""
+    (la, pa, sa), (lb, pb, sb) = a, b
+    if (la, pa) == (lb, pb) or (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino):
         return True  # one file: the same layer, or the same inode
     if stat.S_IFMT(sa.st_mode) != stat.S_IFMT(sb.st_mode):
         return False
     if stat.S_IMODE(sa.st_mode) != stat.S_IMODE(sb.st_mode):
         return False
     if stat.S_ISLNK(sa.st_mode):
-        return os.readlink(pa) == os.readlink(pb)
+        return beneath.readlink_beneath(la, pa) == beneath.readlink_beneath(lb, pb)
     if stat.S_ISCHR(sa.st_mode) or stat.S_ISBLK(sa.st_mode):
         return sa.st_rdev == sb.st_rdev
     if not stat.S_ISREG(sa.st_mode):
         return True  # FIFOs and sockets have no content; never open one
     if sa.st_size != sb.st_size:
         return False
-    fd_a = _open_regular(pa)
-    if fd_a is None:
+    # The layer is live: what is there now may no longer be a regular file (None), or
+    # no longer the size we saw; then it is not proven equal.
+    opened_a = beneath.open_regular(la, pa)
+    if opened_a is None:
         return False
+    fd_a, fa = opened_a
     try:
-        fd_b = _open_regular(pb)
-        if fd_b is None:
+        opened_b = beneath.open_regular(lb, pb)
+        if opened_b is None:
             return False
+        fd_b, fb = opened_b
         try:
-            return _same_data(fd_a, fd_b, sa.st_size, budget)
+            if fa.st_size != fb.st_size:
+                return False
+            return _same_data(fd_a, fd_b, fa.st_size, budget)
         finally:
             os.close(fd_b)
     finally:
@@ -434,18 +468,42 @@ def diff_layers(mine: list[Path], other: list[Path], paths: list[str],
     shared = 0
     while shared < min(len(mine), len(other)) and mine[-1 - shared] == other[-1 - shared]:
         shared += 1
+    fds: dict[Path, int] = {}
+    try:
+        for layer in (*mine, *other):
+            if layer not in fds:  # the top of the layer is the daemon's; below it, not
+                fds[layer] = os.open(layer, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                                     | os.O_CLOEXEC)
+        return _diff(fds, mine, other, shared, paths, budget)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _diff(fds: dict[Path, int], mine_paths: list[Path], other_paths: list[Path], shared: int,
+          paths: list[str], budget: Budget) -> dict[str, list[str]]:
+    mine, other = [fds[p] for p in mine_paths], [fds[p] for p in other_paths]
     unshared = mine[: len(mine) - shared] + other[: len(other) - shared]
     candidates: set[str] = set()
     for prefix in paths:
-        rel = prefix.strip("/")
+        rel = "/".join(part for part in prefix.split("/") if part not in ("", "."))
         candidates |= _candidates(unshared, [mine, other], rel, budget)
     result: dict[str, list[str]] = {"added": [], "removed": [], "modified": []}
     unverified: list[str] = []
     for rel in sorted(candidates):
         budget.check()
-        a, b = resolve(mine, rel), resolve(other, rel)
-        a = None if a and stat.S_ISDIR(a[1].st_mode) else a
-        b = None if b and stat.S_ISDIR(b[1].st_mode) else b
+        try:
+            a, b = resolve(mine, rel), resolve(other, rel)
+        except OSError as exc:
+            if exc.errno not in _RACED:
+                raise
+            # A directory on its path became a symlink or a file while we looked: the
+            # path is changing, so it is not proven equal; we do not look further.
+            result["modified"].append("/" + rel)
+            unverified.append("/" + rel)
+            continue
+        a = None if a and stat.S_ISDIR(a[2].st_mode) else a
+        b = None if b and stat.S_ISDIR(b[2].st_mode) else b
         if a is None and b is not None:
             result["added"].append("/" + rel)
         elif a is not None and b is None:
