@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from readback import regular_files
 
 from branchbox import SandboxError
 from branchbox.agent import sysc
@@ -56,19 +57,6 @@ def secret() -> Iterator[tuple[Path, bytes]]:
     (where / "key").chmod(0o600)
     yield where, marker
     shutil.rmtree(where)
-
-
-def regular_files(root: Path) -> dict[str, bytes]:
-    """Content of every regular file below ``root``; symlinks are never followed."""
-    found = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            path = os.path.join(dirpath, name)
-            if stat.S_ISREG(os.lstat(path).st_mode):
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-                with os.fdopen(fd, "rb") as f:
-                    found[os.path.relpath(path, root)] = f.read()
-    return found
 
 
 def test_setid_bits_are_stripped_and_owners_are_the_hosts(harness, workspace: Path) -> None:

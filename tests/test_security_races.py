@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from readback import regular_files
 
 from branchbox import SandboxError
 from branchbox.runtime import cgroups
@@ -142,16 +143,7 @@ def flips(sb, where: str = "/root/race") -> int:
 
 def marked_files(root: Path, marker: bytes) -> list[str]:
     """Regular files below ``root`` holding ``marker``; symlinks are never followed."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            path = os.path.join(dirpath, name)
-            if stat.S_ISREG(os.lstat(path).st_mode):
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-                with os.fdopen(fd, "rb") as f:
-                    if marker in f.read():
-                        found.append(os.path.relpath(path, root))
-    return found
+    return [rel for rel, data in regular_files(root).items() if marker in data]
 
 
 # ------------------------------------------------------------------------------ diff

@@ -82,7 +82,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from branchbox.storage import journal
-from branchbox.storage.beneath import lstat_beneath, open_beneath
+from branchbox.storage.beneath import getxattr_beneath, lstat_beneath, open_beneath
 from branchbox.storage.journal import FAULT_ENV, FAULT_POINTS, Staged, Step, recover
 from branchbox.storage.overlay import OPAQUE, is_whiteout
 
@@ -219,15 +219,7 @@ def _listing(root: int, rel: str) -> dict[str, os.stat_result]:
 
 def _is_opaque(root: int, rel: str) -> bool:
     """Whether directory ``rel`` below ``root`` is opaque, read from its own fd."""
-    fd = open_beneath(root, rel, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        return os.getxattr(fd, OPAQUE) == b"y"
-    except OSError as exc:
-        if exc.errno in (errno.ENODATA, errno.ENOTSUP):
-            return False
-        raise
-    finally:
-        os.close(fd)
+    return getxattr_beneath(root, rel, OPAQUE) == b"y"
 
 
 def changes(layers: list[Path]) -> Changes:
