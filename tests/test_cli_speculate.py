@@ -1,13 +1,11 @@
 """``branchbox speculate``, ``best-of-n`` and ``reflexion`` end to end: the real CLI against a
 real daemon, on a small git repository whose pytest suite decides which fix is right.
 
-The sandbox image has no pytest, so the repository carries a copy of the host's (pure
-Python, same interpreter version) in an ignored ``.vendor`` directory.
+The repository carries nothing but its code and tests: pytest comes from the default image.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -24,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("connected")
 
 BUGGY = "def add(a, b):\n    return a - b\n"
 TESTS = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
-PYTEST = "PYTHONPATH=.vendor PYTHONDONTWRITEBYTECODE=1 python3 -m pytest -q -p no:cacheprovider"
+PYTEST = "PYTHONDONTWRITEBYTECODE=1 python3 -m pytest -q -p no:cacheprovider"
 
 
 def fix(body: str) -> str:
@@ -39,21 +37,12 @@ def git(repo: Path, *args: str) -> str:
 
 @pytest.fixture
 def repo() -> Iterator[Path]:
-    """A git repository with one failing test and a vendored pytest."""
+    """A git repository with one failing test."""
     base = make_data_dir("cli-repo")
     path = base / "myrepo"
     path.mkdir()
     (path / "calc.py").write_text(BUGGY)
     (path / "test_calc.py").write_text(TESTS)
-    (path / ".gitignore").write_text(".vendor/\n")
-    for name in ("pytest", "_pytest", "py", "pluggy", "iniconfig", "packaging", "pygments"):
-        spec = importlib.util.find_spec(name)
-        assert spec is not None and spec.origin is not None
-        source = Path(spec.origin)
-        if source.name == "__init__.py":
-            shutil.copytree(source.parent, path / ".vendor" / name)
-        else:
-            shutil.copy(source, path / ".vendor" / source.name)
     git(path, "init", "-q")
     git(path, "-c", "user.name=t", "-c", "user.email=t@t", "add", ".")
     git(path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "buggy")

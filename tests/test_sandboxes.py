@@ -19,7 +19,7 @@ from branchbox.storage.idmap import UID_BASE
 
 def test_quickstart(sandbox, harness) -> None:
     sandbox.run_code("import pandas as pd\ndf = pd.DataFrame({'a': range(10)})")
-    assert sandbox.run_code("df.a.sum()").text == "45"
+    assert sandbox.run_code("int(df.a.sum())").text == "45"
     out = sandbox.exec("uname -n; id -u").stdout.split()
     assert out == [sandbox.id, "0"]
     sandbox.files.write("/root/data/x.txt", b"hi")

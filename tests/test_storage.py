@@ -481,6 +481,7 @@ def test_a_built_image_is_used_without_building(
 ) -> None:
     rootfs = tmp_path / "default" / "rootfs"
     rootfs.mkdir(parents=True)
-    (tmp_path / "default" / "manifest.json").write_text("{}")
+    version = images.KNOWN_IMAGES["default"].version
+    (tmp_path / "default" / "manifest.json").write_text(f'{{"version": {version}}}')
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))  # no debootstrap to run
     assert images.ensure_image("default", cache_dir=tmp_path, progress=False) == rootfs

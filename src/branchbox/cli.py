@@ -476,6 +476,62 @@ def reflexion_command(
         timeout=timeout))
 
 
+image_app = typer.Typer(no_args_is_help=True, help="Images sandboxes start from.")
+app.add_typer(image_app, name="image")
+
+
+def image_command(name: str) -> Callable[[Callable[P, None]], Callable[P, None]]:
+    """``image_app.command``, with SDK errors shown as one red line and exit status 1."""
+
+    def register(func: Callable[P, None]) -> Callable[P, None]:
+        @functools.wraps(func)
+        def run(*args: P.args, **kwargs: P.kwargs) -> None:
+            try:
+                func(*args, **kwargs)
+            except SandboxError as exc:
+                fail(str(exc))
+
+        image_app.command(name)(run)
+        return run
+
+    return register
+
+
+@image_command("ls")
+def image_list(as_json: Json = False) -> None:
+    """List the images: built-in ones and those saved from sandboxes."""
+    images = Sandbox.list_images()
+    if as_json:
+        emit_json(images)
+        return
+    table = Table("NAME", "KIND", "SIZE", "FROM", "USED BY", box=None)
+    for info in images:
+        size = info.get("size_bytes")
+        table.add_row(info["name"], info["kind"] if info.get("built") else "built-in (not built)",
+                      "-" if size is None else f"{size / 1e6:.0f} MB",
+                      info.get("from_image") or "-", str(len(info.get("users") or [])))
+    out.print(table)
+
+
+@image_command("save")
+def image_save(sandbox_id: SandboxId,
+               name: Annotated[str, typer.Argument(help="Name of the new image.")],
+               as_json: Json = False) -> None:
+    """Save a sandbox's filesystem (not its memory) as an image."""
+    with attached(sandbox_id) as sandbox:
+        info = sandbox.save_image(name)
+    if as_json:
+        emit_json(info)
+    else:
+        out.print(f"saved {info['name']} ({(info.get('size_bytes') or 0) / 1e6:.0f} MB of its own)")
+
+
+@image_command("rm")
+def image_remove(name: Annotated[str, typer.Argument(help="Image to delete.")]) -> None:
+    """Delete a saved image (refused while a sandbox or another image uses it)."""
+    Sandbox.remove_image(name)
+
+
 @command()
 def bench(
     quick: Annotated[bool, typer.Option("--quick", help="Fewer runs and smaller sizes "

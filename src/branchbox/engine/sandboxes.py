@@ -22,6 +22,7 @@ from branchbox.engine import errors
 from branchbox.engine.branching import Branching
 from branchbox.engine.config import EngineConfig
 from branchbox.engine.idranges import IdRanges
+from branchbox.engine.images import SavedImages
 from branchbox.engine.layers import (
     Layers,
     WorkspaceLower,
@@ -41,8 +42,10 @@ from branchbox.storage.images import ImageNotFound, ensure_image
 
 log = logging.getLogger("branchbox.engine")
 
+# /opt/venv/bin first: the default image's virtualenv (storage/images.py), where `pip
+# install` goes; its python is also the REPL's (Python finds its venv through PATH).
 DEFAULT_ENV = {
-    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "PATH": "/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "HOME": "/root",
     "LANG": "C.UTF-8",
     "TERM": "xterm",
@@ -56,7 +59,7 @@ ATTACH_DIR = Path("/run/branchbox/attach")
 _LOCK_FREE_OPS = {"ping", "wait", "kill", "ps"}
 
 
-class Engine(WarmPool, Branching, Workspaces):
+class Engine(WarmPool, Branching, Workspaces, SavedImages):
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.live: dict[str, Live] = {}
@@ -183,6 +186,8 @@ class Engine(WarmPool, Branching, Workspaces):
 
     # ------------------------------------------------------------------- create
     async def _base_layers(self, image: str) -> list[Path]:
+        if image not in self._base_cache and (saved := self._saved_lowers(image)) is not None:
+            self._base_cache[image] = [self.agent_layer, *saved]  # sb.save_image's
         if image not in self._base_cache:
             try:
                 rootfs_dir = await asyncio.to_thread(
@@ -303,6 +308,7 @@ class Engine(WarmPool, Branching, Workspaces):
                 uid_base=ids.base,
                 env=full_env,
                 cwd=meta["cwd"],
+                python=self.image_python(image),
                 attach=ATTACH_DIR,
                 log_path=self.config.data_dir / "logs" / f"{sid}.log",
                 timeout=self.config.spawn_timeout,

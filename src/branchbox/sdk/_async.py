@@ -183,6 +183,35 @@ class AsyncSandbox:
         sibling committed first)."""
         return await self._api.call("POST", self._url("/commit"))
 
+    async def save_image(self, name: str) -> dict:
+        """This sandbox's filesystem as it is now (not its memory) as image ``name``:
+        ``AsyncSandbox(image=name)`` starts from it, sharing its layers. Returns the
+        image's info; ``Conflict`` if the name is taken."""
+        return await self._api.call("POST", self._url("/save_image"), json={"name": name})
+
+    @staticmethod
+    async def list_images(*, url: str | None = None, api_key: str | None = None,
+                          transport: httpx.AsyncBaseTransport | None = None
+                          ) -> builtins.list[dict]:
+        """Every image on the server (built-in and saved), with the sandboxes using it."""
+        api = Api(url, api_key, transport)
+        try:
+            await api.ready()
+            return (await api.call("GET", "/v1/images"))["images"]
+        finally:
+            await api.release()
+
+    @staticmethod
+    async def remove_image(name: str, *, url: str | None = None, api_key: str | None = None,
+                           transport: httpx.AsyncBaseTransport | None = None) -> None:
+        """Delete saved image ``name`` (``Conflict`` while a sandbox or image uses it)."""
+        api = Api(url, api_key, transport)
+        try:
+            await api.ready()
+            await api.call("DELETE", f"/v1/images/{name}")
+        finally:
+            await api.release()
+
     async def info(self) -> dict:
         """State, parent, children, created time, address, resource use."""
         return await self._api.call("GET", self._url())

@@ -75,6 +75,21 @@ class Sandbox:
 
     run_code = blocking(AsyncSandbox.run_code)
     commit = blocking(AsyncSandbox.commit)
+    save_image = blocking(AsyncSandbox.save_image)
+
+    @staticmethod
+    def list_images(*, url: str | None = None, api_key: str | None = None,
+                    transport: httpx.AsyncBaseTransport | None = None) -> builtins.list[dict]:
+        """Every image on the server (built-in and saved), with the sandboxes using it."""
+        return portal.run(AsyncSandbox.list_images(url=url, api_key=api_key,
+                                                   transport=transport))
+
+    @staticmethod
+    def remove_image(name: str, *, url: str | None = None, api_key: str | None = None,
+                     transport: httpx.AsyncBaseTransport | None = None) -> None:
+        """Delete saved image ``name`` (``Conflict`` while a sandbox or image uses it)."""
+        portal.run(AsyncSandbox.remove_image(name, url=url, api_key=api_key,
+                                             transport=transport))
     info = blocking(AsyncSandbox.info)
     close = blocking(AsyncSandbox.close)
     detach = blocking(AsyncSandbox.detach)

@@ -13,7 +13,7 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import PlainTextResponse
 
 from branchbox.engine.sandboxes import Engine
-from branchbox.server import execution, files, sandboxes
+from branchbox.server import execution, files, images, sandboxes
 from branchbox.server.deps import require_api_key
 from branchbox.server.errors import install_error_handlers
 from branchbox.server.limits import BodyLimit
@@ -56,6 +56,6 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] = (),
         """``ok`` once the engine has started (open to all, even with API keys)."""
         return "ok"
 
-    for module in (sandboxes, execution, files):
+    for module in (sandboxes, execution, files, images):
         app.include_router(module.router, dependencies=[Depends(require_api_key)])
     return app

@@ -1,0 +1,264 @@
+"""Images made from live sandboxes: ``save_image``, listing and removing images.
+
+A saved image is one layer (the sandbox's own changes: its writable layer and
+the frozen layers below it, squashed into one volume of the store) stacked on
+the layers the sandbox itself was stacked on. The layers below are referenced,
+never copied; the new layer is a snapshot (O(1) on btrfs) whose ownership is
+moved from the family's host id range into the images' range (slot 0), so every
+family sees it through its own id-mapped view, exactly like a built image. Only
+the filesystem is saved, never memory or processes.
+
+Each saved image is described by ``<data dir>/images/<name>.json``, written
+last: a crash mid-save leaves at most an orphan volume, never a half image.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import secrets
+import stat
+import time
+from pathlib import Path
+
+from branchbox.engine import errors
+from branchbox.storage import btrfs
+from branchbox.storage.copyfs import remove_tree
+from branchbox.storage.idmap import UID_BASE, UID_COUNT
+from branchbox.storage.images import KNOWN_IMAGES, SYSTEM_PYTHON, image_manifest
+
+# Lower case, digits and . _ -; at most 64; not a path, so it can name a file.
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+RESERVED = ("host",)  # the host's own root (issue 11 part 4)
+_SETID = stat.S_ISUID | stat.S_ISGID
+
+
+class SavedImages:
+    """Mixed into Engine (uses its config, store, layers, live sandboxes and warm pool)."""
+
+    # ------------------------------------------------------------------ lookups
+    def _images_dir(self) -> Path:
+        return self.config.data_dir / "images"
+
+    def _saved(self, name: str) -> dict | None:
+        """The manifest of saved image ``name``, or None if there is none."""
+        if not _NAME.match(name):
+            return None
+        try:
+            return json.loads((self._images_dir() / f"{name}.json").read_text())
+        except FileNotFoundError:
+            return None
+
+    def _saved_all(self) -> list[dict]:
+        found = []
+        with contextlib.suppress(FileNotFoundError):
+            for path in sorted(self._images_dir().glob("*.json")):
+                with contextlib.suppress(OSError, ValueError):
+                    found.append(json.loads(path.read_text()))
+        return found
+
+    def image_python(self, image: str) -> str:
+        """The interpreter the REPL of a sandbox of ``image`` runs: the image's venv python
+        if its build made one (so ``pip install`` then ``import`` works in the REPL)."""
+        saved = self._saved(image)
+        if saved is not None:
+            return saved.get("python_path") or SYSTEM_PYTHON
+        manifest = image_manifest(image, self.config.image_cache)
+        return (manifest or {}).get("python_path") or SYSTEM_PYTHON
+
+    def _users_of(self, name: str) -> list[str]:
+        """Ids of live (and stopped, still recorded) sandboxes started from ``name``."""
+        users = {sid for sid, sb in self.live.items() if sb.record.image == name}
+        with contextlib.suppress(Exception):  # the records' view; live ones are above
+            users.update(rec.id for rec in self.records.live() if rec.image == name)
+        return sorted(users)
+
+    # --------------------------------------------------------------------- save
+    async def save_image(self, sandbox_id: str, name: str) -> dict:
+        """Freeze ``sandbox_id``'s filesystem as image ``name``; returns the image's info."""
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise errors.InvalidRequest(
+                "an image name is 1-64 of a-z 0-9 . _ - and starts with a letter or digit")
+        if name in KNOWN_IMAGES or name in RESERVED:
+            raise errors.Conflict(f"image name {name!r} is reserved")
+        sb = self.get(sandbox_id)
+        lock = self.__dict__.setdefault("_image_lock", asyncio.Lock())
+        async with lock:
+            if self._saved(name) is not None:
+                raise errors.Conflict(f"image {name!r} exists; remove it first")
+            body = sb.body
+            volume = await asyncio.to_thread(self._capture, body)
+            stack = body.layers
+            try:
+                manifest = {
+                    "name": name,
+                    "kind": "saved",
+                    "created": time.time(),
+                    "from_sandbox": sb.id,
+                    "from_image": sb.record.image,
+                    "volume": str(volume),
+                    # top first: this image's layer, then what the sandbox stood on
+                    # (its base layers but the agent's, which every sandbox gets anew)
+                    "lowers": [str(volume / "upper"), *map(str, stack.base[1:])],
+                    "python_path": self.image_python(sb.record.image),
+                    "size_bytes": await asyncio.to_thread(_usage, volume / "upper"),
+                }
+                self._images_dir().mkdir(parents=True, exist_ok=True)
+                _write_atomically(self._images_dir() / f"{name}.json", json.dumps(manifest))
+            except BaseException:
+                self.layers.backend.delete(volume)
+                raise
+        return self._image_info(manifest)
+
+    def _capture(self, body) -> Path:
+        """A new store volume whose upper/ is ``body``'s root as it is now, minus the
+        image below it, owned in the images' id range (runs in a thread)."""
+        stack = body.layers
+        layers, backend = self.layers, self.layers.backend
+        hold = backend.name != "btrfs"  # a copy must be one instant: freeze the sandbox
+        if hold:
+            body.cgroup.freeze()
+        try:
+            if stack.frozen:
+                top = layers.freeze(stack)
+                try:
+                    squashed = layers.squash([top, *stack.frozen])
+                finally:
+                    backend.delete(top.path)
+                volume = squashed.path
+            else:
+                volume = layers.root / f"i-{secrets.token_hex(8)}"
+                backend.snapshot(stack.volume, volume, readonly=False)
+        finally:
+            if hold:
+                body.cgroup.freeze(frozen=False)
+        try:
+            final = layers.root / f"i-{secrets.token_hex(8)}"
+            os.rename(volume, final)
+            volume = final
+            for extra in ("work", "ws"):  # overlay's scratch, and a workspace (a host dir)
+                extra_path = volume / extra
+                if extra_path.exists():
+                    remove_tree(extra_path)
+            _rebase_tree(volume / "upper", stack.ids.base, UID_BASE)
+            if backend.name == "btrfs":
+                btrfs.set_readonly(volume, True)
+        except BaseException:
+            backend.delete(volume)
+            raise
+        return volume
+
+    # ----------------------------------------------------------------- ls and rm
+    def list_images(self) -> list[dict]:
+        """Built-in images (built or not yet) and saved ones, with their users."""
+        out = []
+        for name in KNOWN_IMAGES:
+            manifest = image_manifest(name, self.config.image_cache) or {}
+            out.append({"name": name, "kind": "built-in", "built": bool(manifest),
+                        "created": manifest.get("created"),
+                        "size_bytes": manifest.get("size_bytes"),
+                        "python": manifest.get("python_path"),
+                        "users": self._users_of(name)})
+        out += [self._image_info(m) for m in self._saved_all()]
+        return out
+
+    def _image_info(self, manifest: dict) -> dict:
+        return {"name": manifest["name"], "kind": "saved", "built": True,
+                "created": manifest.get("created"), "size_bytes": manifest.get("size_bytes"),
+                "python": manifest.get("python_path"), "from_image": manifest.get("from_image"),
+                "from_sandbox": manifest.get("from_sandbox"),
+                "users": self._users_of(manifest["name"])}
+
+    async def remove_image(self, name: str) -> None:
+        """Delete saved image ``name``; refused while a sandbox or another image uses it."""
+        if name in KNOWN_IMAGES:
+            raise errors.Conflict(
+                f"image {name!r} is built in (rebuilt on use); only saved images can be removed")
+        lock = self.__dict__.setdefault("_image_lock", asyncio.Lock())
+        async with lock:
+            manifest = self._saved(name)
+            if manifest is None:
+                raise errors.InvalidRequest(f"no image {name!r}; `branchbox image ls` lists them")
+            users = self._users_of(name)
+            if users:
+                raise errors.Conflict(
+                    f"image {name!r} is used by {len(users)} sandbox(es): {', '.join(users)}")
+            top = manifest["lowers"][0]
+            built_on = [m["name"] for m in self._saved_all()
+                        if m["name"] != name and top in m.get("lowers", [])]
+            if built_on:
+                raise errors.Conflict(
+                    f"image {name!r} is the base of image(s) {', '.join(built_on)}")
+            await self._drop_warm_of(name)
+            (self._images_dir() / f"{name}.json").unlink()
+            self._base_cache.pop(name, None)
+            await asyncio.to_thread(self.layers.backend.delete, Path(manifest["volume"]))
+
+    async def _drop_warm_of(self, image: str) -> None:
+        """Stop the warm sandboxes kept for ``image`` (nobody asked for them)."""
+        task = self._refilling.get(image)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        pool = self._warm.pop(image, [])
+        while pool:
+            sb = pool.pop()
+            await self._destroy_body(sb.body)
+            await sb.family.family.kill()
+
+    def _saved_lowers(self, image: str) -> list[Path] | None:
+        """The layers (top first, below the agent's) of saved image ``image``, or None."""
+        manifest = self._saved(image)
+        return None if manifest is None else [Path(p) for p in manifest["lowers"]]
+
+
+def _rebase_tree(root: Path, old_base: int, new_base: int) -> None:
+    """Move the owners of everything under ``root`` from host range ``old_base``.. to
+    ``new_base``.. (ids outside the old range are left alone). Symlinks are not
+    followed; chown's clearing of setuid/setgid is undone, as shift_tree does."""
+    pending = [os.fspath(root)]
+    top = os.lstat(pending[0])
+    _rebase(pending[0], top, old_base, new_base)
+    while pending:
+        with os.scandir(pending.pop()) as entries:
+            for entry in entries:
+                st = entry.stat(follow_symlinks=False)
+                if st.st_dev != top.st_dev:
+                    continue  # never leave the volume
+                _rebase(entry.path, st, old_base, new_base)
+                if stat.S_ISDIR(st.st_mode):
+                    pending.append(entry.path)
+
+
+def _rebase(path: str, st: os.stat_result, old_base: int, new_base: int) -> None:
+    def move(value: int) -> int:
+        return value - old_base + new_base if old_base <= value < old_base + UID_COUNT else value
+
+    uid, gid = move(st.st_uid), move(st.st_gid)
+    if (uid, gid) == (st.st_uid, st.st_gid):
+        return
+    os.chown(path, uid, gid, follow_symlinks=False)
+    if st.st_mode & _SETID and not stat.S_ISLNK(st.st_mode):
+        os.chmod(path, stat.S_IMODE(st.st_mode))
+
+
+def _usage(root: Path) -> int:
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        for entry in (*dirnames, *filenames):
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, entry)).st_blocks * 512
+    return total
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
