@@ -4,7 +4,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 DATA_DIR ?= /var/lib/branchbox
-APT_PACKAGES := debootstrap btrfs-progs gcc libc6-dev
+# libnftables1: the sandbox firewall (runtime.nft loads it with ctypes).
+APT_PACKAGES := debootstrap btrfs-progs gcc libc6-dev libnftables1
 
 .PHONY: run test system-deps image lint bench
 

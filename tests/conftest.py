@@ -6,7 +6,8 @@ processes, without a socket in between. Tests that need a daemon process
 start one themselves (test_sdk_sandbox.py).
 
 At the end of the session a check fails the run if anything a test created
-is still around: mounts, cgroups, loop devices or sandbox processes.
+is still around: mounts, cgroups, loop devices, sandbox processes, network links,
+namespaces and nftables tables.
 """
 
 from __future__ import annotations
@@ -110,12 +111,35 @@ def _leftovers() -> list[str]:
             continue
         if name in ("bb-launcher", "bb-family", "bb-init"):
             found.append(f"process: {comm.parent.name} {name}")
+    return found + _network_leftovers()
+
+
+def _network_leftovers() -> list[str]:
+    """A daemon's bridge (``bbr<tag>``) and sandbox ports (``bv<tag>...``), its nftables
+    tables (``bb-<tag>``) and the test's "outside" namespaces and veths."""
+    found = [f"link: {path.name}" for path in Path("/sys/class/net").iterdir()
+             if path.name.startswith(("bbr", "bv", "bbto"))]
+    found += [f"netns: {path.name}" for path in Path("/run/netns").glob("bbtest-*")]
+    try:
+        from branchbox.runtime.nft import Nft, NftError
+    except ImportError:
+        return found
+    try:
+        nft = Nft()
+    except NftError:
+        return found
+    try:
+        found += [f"nft table: {family} {name}" for family, name in nft.tables()
+                  if name.startswith("bb-")]
+    finally:
+        nft.close()
     return found
 
 
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
-    """After the whole suite: no mount, cgroup, loop device or sandbox process is left.
+    """After the whole suite: no mount, cgroup, loop device, sandbox process, network link,
+    namespace or nftables table is left.
 
     Only what the suite itself left counts: anything that was there before it started
     (another daemon on the machine, say) is not its leak.

@@ -117,6 +117,9 @@ def serve(
     api_keys: Annotated[Path | None, typer.Option(
         help="File of accepted API keys, one a line (also: $BRANCHBOX_API_KEY).")] = None,
     max_upload_mb: Annotated[int, typer.Option(help="Largest file upload accepted.")] = 1024,
+    internet: Annotated[bool, typer.Option(
+        "--internet", help="Egress through NAT for sandboxes that do not say "
+                           "(also: $BRANCHBOX_INTERNET=1).")] = False,
     as_json: Json = False,
 ) -> None:
     """Run the daemon until SIGINT or SIGTERM (which close every sandbox)."""
@@ -124,6 +127,8 @@ def serve(
     from branchbox.server.serve import ServeError
     from branchbox.server.serve import serve as run_server
 
+    if internet:  # read by EngineConfig, like the daemon's other settings
+        os.environ["BRANCHBOX_INTERNET"] = "1"
     keys = [os.environ["BRANCHBOX_API_KEY"]] if os.environ.get("BRANCHBOX_API_KEY") else []
     if api_keys is not None:
         keys += [line.strip() for line in api_keys.read_text().splitlines() if line.strip()]

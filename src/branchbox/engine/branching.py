@@ -61,6 +61,8 @@ class Branching:
         made: list[tuple[str, Body]] = []
         fresh: list[FrozenLayer] = []
         pending: list = []  # each slot's answer, then each child's hello
+        net_took: list[float] = []  # the helper's time per child's network
+        hellos: list = []  # wrapped by _networked: closed too if it never ran
         batch_open = False
         try:
             fresh.append(await asyncio.to_thread(self.layers.freeze, pbody.layers,
@@ -79,7 +81,8 @@ class Branching:
                 batch_open = True
                 answer, hello = await self._send_slot(channel, sid, body, inherit)
                 inherit = None
-                pending += [answer, hello]
+                hellos.append(hello)
+                pending += [answer, self._networked(hello, body, net_took)]
             batch_open = False
             forked = await channel.call("fork")
             try:
@@ -91,10 +94,13 @@ class Branching:
             for (_, body), hello in zip(made, answers[1::2], strict=True):
                 if hello.get("signal_listener") is not None:
                     await self._take_signal_listener(body, hello)
+            self.net.apply([body.key for _, body in made], parent.record.meta.get("network")
+                           or self.net.policy_of(None, None))
             parent.last_fork = {"n": n, "repl_paused": forked.get("paused"),
-                                "total": time.perf_counter() - started}
+                                "total": time.perf_counter() - started,
+                                "network": sum(net_took)}
         except BaseException as exc:
-            for coro in pending:
+            for coro in [*pending, *hellos]:
                 if asyncio.iscoroutine(coro):
                     coro.close()
             if batch_open:  # let the REPL leave its fork batch
@@ -129,8 +135,16 @@ class Branching:
             parent.family.members.add(sid)
             self._adopt(child, None)
             children.append(child)
+        self.net.refill()  # leases for the next fork, off its path
         return children
 
+    async def _networked(self, hello, body: Body, took: list[float]) -> dict:
+        """The child's hello, then at once its network (while the REPL forks the next
+        child): a veth created into its namespace, its address and route."""
+        result = await hello
+        reply = await self.net.attach(body.key, body.cgroup, int(result.get("pid") or 0))
+        took.append(reply.get("took", 0.0))
+        return result
 
     def _prepare_child(self, lowers: list[FrozenLayer], parent: LayerStack,
                        limits: Limits) -> tuple[str, Body]:
@@ -239,6 +253,7 @@ class Branching:
                 self._watch(parent, parent.body))
             with contextlib.suppress(errors.EngineError, AgentError, ChannelClosed):
                 await parent.body.channel.call("sethostname", {"hostname": parent.id})
+            await self.net.hand_over(parent.body.key, old.key, parent.body.cgroup)
             self._retire(old)  # killed and freed in the background: merge returns now
         finally:
             winner.lock.release()

@@ -43,6 +43,12 @@ class EngineConfig:
     # Sandboxes kept started per image, so that create hands one out in milliseconds.
     warm_pool: int = field(default_factory=lambda: int(os.environ.get("BRANCHBOX_WARM_POOL", "2")))
 
+    # Egress for sandboxes that do not say (``branchbox serve --internet``).
+    internet: bool = field(
+        default_factory=lambda: os.environ.get("BRANCHBOX_INTERNET", "") in ("1", "true"))
+    # The sandboxes' subnet; None: the first free /16 from 10.89.0.0 (runtime.network).
+    subnet: str | None = field(default_factory=lambda: os.environ.get("BRANCHBOX_SUBNET"))
+
     @property
     def cgroup_group(self) -> str:
         """Cgroup directory of this daemon: distinct per data directory, so two daemons

@@ -28,6 +28,7 @@ from branchbox.engine.layers import (
     WorkspaceLower,
 )
 from branchbox.engine.live import Body, FamilyHandle, Live, new_id
+from branchbox.engine.networking import SandboxNetwork
 from branchbox.engine.records import Records, SandboxRecord
 from branchbox.engine.warm import WarmPool
 from branchbox.engine.workspaces import Workspaces
@@ -79,6 +80,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
         self._warm: dict[str, list[Live]] = {}
         self._refilling: dict[str, asyncio.Task] = {}
         self._stopping = False
+        self.net: SandboxNetwork | None = None
         self.signal_guard = SignalGuard()
 
     # ----------------------------------------------------------------- lifecycle
@@ -91,6 +93,9 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
         _raise_fd_limit()
         self.records = Records(cfg.data_dir / "sandboxes.db")
         self.ids = IdRanges(self.records)  # recorded slots stay taken until recover()
+        self.net = SandboxNetwork(self.records.db, cfg.cgroup_group[2:6], cfg.subnet,
+                                  cfg.internet)
+        await self.net.start()
         self._unfavor = favor_dynamic_moves(cfg.data_dir / "run" / "cgroup-favor")
         self._reap_leftovers()
         self.store = choose_backend(cfg.data_dir, cfg.storage)
@@ -136,6 +141,8 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
             with contextlib.suppress(errors.EngineError):
                 await self.close(sid)
         SandboxCgroup.remove_group(self.config.cgroup_group)
+        if self.net is not None:
+            await self.net.stop()
         self.signal_guard.stop()
         if self._unfavor is not None:
             self._unfavor()
@@ -176,7 +183,8 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
             "image": rec.image,
             "created": rec.created,
             "hostname": rec.id,
-            "address": "127.0.0.1 (loopback only)",
+            "address": self.net.address(sb.body.key),
+            "network": rec.meta.get("network"),
             "layers": len(sb.body.layers.frozen),
             "disk_mb": None if sb.body.layers.disk_bytes is None
             else sb.body.layers.disk_bytes >> 20,
@@ -225,8 +233,11 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
         workspace: str | None = None,
         idle_timeout: float | None = None,
         disk_mb: int | None = None,
+        internet: bool | None = None,
+        network: dict | None = None,
     ) -> Live:
         _check_env(env)
+        policy = await self.net.resolve(self.net.policy_of(internet, network))
         host = self._workspace_host(workspace) if workspace is not None else None
         cwd = cwd or "/root"
         if not cwd.startswith("/") or ".." in cwd.split("/") or "\0" in cwd:
@@ -238,7 +249,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
                 raise errors.InvalidRequest(f"{name} must be between 0 and 604800 seconds")
         self._check_disk_mb(disk_mb)
         meta = {"cwd": cwd, "memory_mb": memory_mb, "timeout": timeout, "disk_mb": disk_mb,
-                "workspace": str(host) if host else None}
+                "workspace": str(host) if host else None, "network": policy}
         sb = self._take_warm(image)
         if sb is not None:  # a warm sandbox: give it this request's settings
             if memory_mb is not None:
@@ -271,6 +282,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
                 if isinstance(exc, AgentError) and exc.kind == "InvalidRequest":
                     raise errors.InvalidRequest(exc.message) from None
                 raise errors.EngineError(f"the sandbox failed to start: {exc}") from None
+        self.net.apply([sb.body.key], policy)
         self._adopt(sb, timeout)
         if idle_timeout:
             self._close_when_idle(sb, idle_timeout)
@@ -321,6 +333,15 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
             raise
         family.on_exit = ids.drop
         body = Body(key, stack, cgroup, channel)
+        try:  # its own address on the bridge; no egress until create applies a policy
+            await self.net.attach(key, cgroup, int((await channel.call("ping")).get("pid") or 0))
+            resolv = self.net.resolv_conf()
+            if resolv is not None:
+                await channel.call("write", {"path": "/etc/resolv.conf", "more": False}, resolv)
+        except BaseException:
+            await self._destroy_body(body)
+            await family.kill()
+            raise
         record = SandboxRecord(id=sid, family=sid, instance=key, image=image, meta=meta)
         return Live(record, body, FamilyHandle(family, {sid}))
 
@@ -409,6 +430,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
 
     async def _destroy_body(self, body: Body) -> None:
         """Kill, disconnect and free a body; each step runs even if an earlier one failed."""
+        await self.net.release(body.key)  # first: it can no longer speak on the bridge
         try:
             await asyncio.to_thread(body.cgroup.remove)
         finally:
@@ -417,6 +439,21 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
                     await body.channel.close()
             finally:
                 self.layers.release(body.layers)
+
+    async def update_network(self, sandbox_id: str, internet: bool | None = None,
+                             network: dict | None = None) -> dict:
+        """Change a sandbox's egress policy now (connections it has open included); fields
+        not given keep their value. Its later fork children inherit the new one."""
+        sb = self.get(sandbox_id)
+        current = sb.record.meta.get("network") or self.net.policy_of(None, None)
+        merged = {k: v for k, v in current.items() if k != "internet"}
+        merged.update(network or {})
+        policy = await self.net.resolve(self.net.policy_of(
+            current["internet"] if internet is None else internet, merged))
+        self.net.apply([sb.body.key], policy)
+        sb.record.meta = {**sb.record.meta, "network": policy}
+        self.records.put(sb.record)
+        return policy
 
     # --------------------------------------------------------------------- calls
     async def _acquire(self, sb: Live, wait: float | None) -> None:

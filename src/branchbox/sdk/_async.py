@@ -40,7 +40,9 @@ class AsyncSandbox:
 
     def __init__(self, image: str = "default", *, workspace: str | Path | None = None,
                  env: dict[str, str] | None = None, cwd: str | None = None,
-                 timeout: float | None = None, egress: bool = True,
+                 timeout: float | None = None, internet: bool | None = None,
+                 network: dict[str, builtins.list[str]] | None = None,
+                 egress: bool | None = None,
                  memory_mb: int | None = None, disk_mb: int | None = None,
                  url: str | None = None,
                  api_key: str | None = None,
@@ -51,10 +53,16 @@ class AsyncSandbox:
         it); ``disk_mb`` bounds what its files may take, in MiB (the server's
         default otherwise; fork children inherit it); ``url``/``api_key`` override
         ``$BRANCHBOX_URL``/``$BRANCHBOX_API_KEY``;
+        ``internet`` (``egress`` is an alias) turns egress through NAT on or off (None:
+        the server's default, off unless ``branchbox serve --internet``); ``network`` is
+        ``{"allow_out": [...], "deny_out": [...]}`` of CIDRs or host names (allow wins);
+        fork children inherit the policy;
         ``transport`` is handed to httpx (tests pass ``httpx.ASGITransport(app)``).
         """
         self._spec: dict[str, Any] | None = _given(
-            image=image, env=env, cwd=cwd, timeout=timeout, egress=egress, memory_mb=memory_mb,
+            image=image, env=env, cwd=cwd, timeout=timeout,
+            internet=internet if internet is not None else egress, network=network,
+            memory_mb=memory_mb,
             disk_mb=disk_mb,
             workspace=None if workspace is None else str(Path(workspace).absolute()))
         self._bind(Api(url, api_key, transport), None, None, "new")
@@ -65,6 +73,7 @@ class AsyncSandbox:
         self._id = sandbox_id
         self.parent_id = parent_id
         self._state: State = state
+        self._ip: str | None = None
         self.files = AsyncFiles(self)
 
     @classmethod
@@ -86,7 +95,9 @@ class AsyncSandbox:
         except BaseException:
             await api.release()
             raise
-        return cls._attached(api, info["id"], info.get("parent_id"))
+        sandbox = cls._attached(api, info["id"], info.get("parent_id"))
+        sandbox._ip = info.get("address")
+        return sandbox
 
     @classmethod
     async def list_all(cls, *, url: str | None = None, api_key: str | None = None,
@@ -111,6 +122,7 @@ class AsyncSandbox:
                 await self._api.release()
                 raise
             self._id, self._state = info["id"], "open"
+            self._ip = info.get("address")
         return self
 
     @property
@@ -164,8 +176,35 @@ class AsyncSandbox:
     async def fork(self, n: int = 1) -> builtins.list[AsyncSandbox]:
         """``n`` copies of this sandbox as it is now: memory, files, env, cwd."""
         reply = await self._api.call("POST", self._url("/fork"), json={"n": n})
-        return [AsyncSandbox._attached(self._api.retain(), child, self.id)
-                for child in reply["children"]]
+        children = [AsyncSandbox._attached(self._api.retain(), child, self.id)
+                    for child in reply["children"]]
+        for child in children:
+            child._ip = (reply.get("addresses") or {}).get(child.id)
+        return children
+
+    @property
+    def ip(self) -> str | None:
+        """The sandbox's own address on the daemon's bridge (it keeps it across merges)."""
+        return self._ip
+
+    def get_host(self, port: int) -> str:
+        """A base URL a client can use to reach ``port`` in the sandbox: the daemon's port
+        proxy (``/v1/sandboxes/{id}/ports/{port}``, same auth) when the daemon is
+        reached over TCP or in-process; the sandbox's own address when the daemon is
+        local over its unix socket (the host reaches sandboxes directly)."""
+        if not 1 <= port <= 65535:
+            raise SandboxError(f"port must be between 1 and 65535, not {port}")
+        if self._api.is_local_socket() and self._ip:
+            return f"http://{self._ip}:{port}"
+        return f"{self._api.base_url()}/v1/sandboxes/{self.id}/ports/{port}"
+
+    async def update_network(self, *, internet: bool | None = None,
+                             allow_out: builtins.list[str] | None = None,
+                             deny_out: builtins.list[str] | None = None) -> dict:
+        """Change the egress policy now (open connections included); what is not given
+        keeps its value. Returns the policy as applied (host names resolved)."""
+        return await self._api.call("PATCH", self._url("/network"), json=_given(
+            internet=internet, allow_out=allow_out, deny_out=deny_out))
 
     async def merge_into(self, winner: AsyncSandbox) -> None:
         """Make this sandbox's id drive ``winner``'s state; ``winner`` is used up."""

@@ -41,6 +41,13 @@ class Api:
                                          headers=headers, timeout=_TIMEOUT)
         self._users = 1
 
+    def is_local_socket(self) -> bool:
+        """Whether requests go over a unix socket (so the client shares the daemon's host)."""
+        return bool(self.config.socket)
+
+    def base_url(self) -> str:
+        return self.config.base_url
+
     async def ready(self) -> None:
         """Make sure a server answers (starting the local daemon if that is ours to do)."""
         if self._autostart is not None:

@@ -30,13 +30,16 @@ class Sandbox:
 
     def __init__(self, image: str = "default", *, workspace: str | Path | None = None,
                  env: dict[str, str] | None = None, cwd: str | None = None,
-                 timeout: float | None = None, egress: bool = True,
+                 timeout: float | None = None, internet: bool | None = None,
+                 network: dict[str, builtins.list[str]] | None = None,
+                 egress: bool | None = None,
                  memory_mb: int | None = None, disk_mb: int | None = None,
                  url: str | None = None,
                  api_key: str | None = None,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         """Create the sandbox (starting the local daemon if needed); see ``AsyncSandbox``."""
         core = AsyncSandbox(image, workspace=workspace, env=env, cwd=cwd, timeout=timeout,
+                            internet=internet, network=network,
                             egress=egress, memory_mb=memory_mb, disk_mb=disk_mb, url=url,
                             api_key=api_key,
                             transport=transport)
@@ -73,6 +76,14 @@ class Sandbox:
     def parent_id(self) -> str | None:
         return self._core.parent_id
 
+    @property
+    def ip(self) -> str | None:
+        return self._core.ip
+
+    def get_host(self, port: int) -> str:
+        return self._core.get_host(port)
+
+    update_network = blocking(AsyncSandbox.update_network)
     run_code = blocking(AsyncSandbox.run_code)
     commit = blocking(AsyncSandbox.commit)
     save_image = blocking(AsyncSandbox.save_image)

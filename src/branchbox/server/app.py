@@ -13,7 +13,7 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import PlainTextResponse
 
 from branchbox.engine.sandboxes import Engine
-from branchbox.server import execution, files, images, sandboxes
+from branchbox.server import execution, files, images, ports, sandboxes
 from branchbox.server.deps import require_api_key
 from branchbox.server.errors import install_error_handlers
 from branchbox.server.limits import BodyLimit
@@ -35,11 +35,14 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] = (),
     """
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         try:
             yield
         finally:
+            client = getattr(app.state, "port_client", None)  # the port proxy's pool
+            if client is not None:
+                await client.aclose()
             await engine.stop()
 
     app = FastAPI(title="branchbox", version="0.1.0", lifespan=lifespan,
@@ -56,6 +59,7 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] = (),
         """``ok`` once the engine has started (open to all, even with API keys)."""
         return "ok"
 
-    for module in (sandboxes, execution, files, images):
+    for module in (sandboxes, execution, files, images, ports):
         app.include_router(module.router, dependencies=[Depends(require_api_key)])
+    app.include_router(ports.ws_router)  # checks the same key itself
     return app

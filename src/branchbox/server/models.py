@@ -84,6 +84,18 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class NetworkLists(_Body):
+    allow_out: list[str] | None = None
+    deny_out: list[str] | None = None
+
+
+class UpdateNetwork(NetworkLists):
+    """``PATCH /v1/sandboxes/{id}/network``: fields not given keep their value."""
+
+    internet: bool | None = None
+    egress: bool | None = None
+
+
 class CreateSandbox(_Body):
     """``POST /v1/sandboxes``; the aliases are Podflare's names for the same options."""
 
@@ -99,10 +111,14 @@ class CreateSandbox(_Body):
     # Closed after this many seconds without a request on it (a run in progress is use).
     idle_timeout: Timeout | None = Field(None, validation_alias=AliasChoices(
         "idle_timeout", "idle_timeout_seconds"))
-    # Accepted so Podflare's SDK can send them. Every sandbox is loopback-only, which
-    # already honours egress=false; rootfs_gb is taken as disk_mb (x 1024) when disk_mb
-    # is not given; and nothing is frozen into a "space" on idle.
-    egress: bool = True
+    # Egress through NAT (None: the daemon's default, off unless `serve --internet`);
+    # ``egress`` is Podflare's name for it. ``network``: E2B's allow_out/deny_out lists
+    # of CIDRs or host names (allow wins over deny).
+    internet: bool | None = None
+    egress: bool | None = None
+    network: NetworkLists | None = None
+    # Accepted so Podflare's SDK can send them: rootfs_gb is taken as disk_mb (x 1024)
+    # when disk_mb is not given; and nothing is frozen into a "space" on idle.
     rootfs_gb: int | None = None
     persistent: bool | None = None
 

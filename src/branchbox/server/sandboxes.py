@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Body
 
 from branchbox.server.deps import NO_CONTENT, EngineDep, EventsDep
-from branchbox.server.models import CreateSandbox, Diff, Fork
+from branchbox.server.models import CreateSandbox, Diff, Fork, UpdateNetwork
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
 
@@ -23,7 +23,10 @@ async def create_sandbox(body: CreateSandbox, engine: EngineDep) -> dict:
     sb = await engine.create(image=body.image, env=body.env, cwd=body.cwd,
                              timeout=body.timeout, memory_mb=body.memory_mb,
                              workspace=body.workspace, idle_timeout=body.idle_timeout,
-                             disk_mb=disk_mb)
+                             disk_mb=disk_mb,
+                             internet=body.internet if body.internet is not None else body.egress,
+                             network=body.network.model_dump(exclude_none=True)
+                             if body.network else None)
     return engine.info(sb.id)
 
 
@@ -49,7 +52,16 @@ async def fork_sandbox(sandbox_id: str, engine: EngineDep,
                        body: Annotated[Fork, Body(default_factory=Fork)]) -> dict:
     """``n`` children from this instant of the sandbox (memory, files, env, cwd)."""
     children = await engine.fork(sandbox_id, body.n)
-    return {"children": [child.id for child in children]}
+    return {"children": [child.id for child in children],
+            "addresses": {child.id: engine.net.address(child.body.key) for child in children}}
+
+
+@router.patch("/{sandbox_id}/network")
+async def update_network(sandbox_id: str, body: UpdateNetwork, engine: EngineDep) -> dict:
+    """Change the sandbox's egress policy, open connections included."""
+    lists = body.model_dump(exclude_none=True, include={"allow_out", "deny_out"})
+    internet = body.internet if body.internet is not None else body.egress
+    return await engine.update_network(sandbox_id, internet, lists)
 
 
 @router.post("/{sandbox_id}/merge_into/{winner_id}", **NO_CONTENT)

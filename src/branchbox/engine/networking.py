@@ -1,0 +1,243 @@
+"""Sandbox addresses and egress policies: leases in the daemon's SQLite, ports, policies.
+
+Every body (the processes serving a sandbox) gets a port: a veth name, a MAC
+and an address leased from the bridge's subnet. A lease is taken, and the
+firewall told which (port, MAC, address) may speak, *before* the body exists —
+a small pool of them is kept ready — so a fork only creates each child's veth
+into its namespace and sets the address (runtime.netlink_helper). The address
+belongs to the sandbox id: a merge gives the winner's body the parent's address.
+
+A policy is ``{"internet": bool, "allow_out": [CIDR], "deny_out": [CIDR]}``
+(host names in the lists are resolved when the policy is applied); fork
+children inherit their parent's (it is in the record's meta).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import itertools
+import logging
+import os
+import socket
+import sqlite3
+from dataclasses import dataclass
+
+from branchbox.engine import errors
+from branchbox.runtime import procfs
+from branchbox.runtime.network import Network, NetworkError
+
+log = logging.getLogger("branchbox.engine")
+POOL = 8  # prepared leases kept ready (refilled after each fork)
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS net_leases (
+    address TEXT PRIMARY KEY, port TEXT NOT NULL, mac TEXT NOT NULL, body TEXT
+);
+"""
+
+
+@dataclass(eq=False)
+class Port:
+    name: str
+    mac: str
+    address: str
+    plugged: bool = False
+
+
+def _mac(address: str) -> str:
+    return "02:bb:" + ":".join(f"{b:02x}" for b in ipaddress.IPv4Address(address).packed)
+
+
+class SandboxNetwork:
+    """The engine's part for networking; the engine calls it at spawn, fork, merge, close."""
+
+    def __init__(self, db: sqlite3.Connection, tag: str, subnet: str | None,
+                 default_internet: bool) -> None:
+        self.db = db
+        self.db.executescript(_SCHEMA)
+        self.net = Network(tag, subnet)
+        self.default_internet = default_internet
+        self.ports: dict[str, Port] = {}  # body key -> port
+        self.policies: dict[str, dict] = {}  # address -> its applied policy
+        self.ready: list[Port] = []
+        self._names = itertools.count(1)
+        self._used: set[int] = set()
+
+    async def start(self) -> None:
+        self.db.execute("DELETE FROM net_leases")  # an earlier daemon's: swept with its links
+        await self.net.start()
+
+    async def stop(self) -> None:
+        await self.net.stop()
+        self.db.execute("DELETE FROM net_leases")
+
+    # ------------------------------------------------------------------ leases
+    def _lease(self) -> Port:
+        subnet = self.net.subnet
+        for n in range(2, subnet.num_addresses - 1):
+            if n not in self._used:
+                self._used.add(n)
+                break
+        else:
+            raise errors.EngineError(f"no free address left in {subnet}")
+        address = str(subnet.network_address + n)
+        port = Port(f"{self.net.port_prefix}{next(self._names) & 0xFFFFFF:x}", _mac(address),
+                    address)
+        self.db.execute("INSERT OR REPLACE INTO net_leases VALUES (?, ?, ?, NULL)",
+                        (address, port.name, port.mac))
+        return port
+
+    def _free(self, address: str) -> None:
+        base = int(self.net.subnet.network_address)
+        self._used.discard(int(ipaddress.IPv4Address(address)) - base)
+        self.db.execute("DELETE FROM net_leases WHERE address = ?", (address,))
+
+    def _prepare(self, n: int) -> None:
+        """Leases admitted by the firewall before anyone needs them (one transaction)."""
+        fresh = [self._lease() for _ in range(n)]
+        try:
+            self.net.firewall.add_ports([(p.name, p.mac, p.address) for p in fresh])
+        except Exception:
+            for p in fresh:
+                self._free(p.address)
+            raise
+        self.ready += fresh
+
+    def take(self, body_key: str) -> Port:
+        if not self.ready:
+            self._prepare(POOL)
+        port = self.ready.pop()
+        self.ports[body_key] = port
+        self.db.execute("UPDATE net_leases SET body = ? WHERE address = ?",
+                        (body_key, port.address))
+        return port
+
+    def refill(self) -> None:
+        with contextlib.suppress(Exception):
+            if len(self.ready) < POOL:
+                self._prepare(POOL - len(self.ready))
+
+    # -------------------------------------------------------------- attaching
+    def address(self, body_key: str) -> str | None:
+        port = self.ports.get(body_key)
+        return port.address if port else None
+
+    async def attach(self, body_key: str, cgroup, ns_pid: int) -> dict:
+        """Give the body whose REPL is ``ns_pid`` (in its family's namespace, among the
+        body's cgroup pids) its port. Returns the helper's reply (``took``: seconds)."""
+        port = self.take(body_key)
+        pids = cgroup.pids()
+        host_pid = procfs.find_repl(pids, ns_pid)
+        if host_pid is None:
+            raise errors.EngineError("the sandbox's REPL is gone: no network for it")
+        fd = os.open(f"/proc/{host_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        if host_pid not in cgroup.pids():  # it died and the pid was reused meanwhile
+            os.close(fd)
+            raise errors.EngineError("the sandbox's REPL is gone: no network for it")
+        try:
+            reply = await self.net.plug(port.name, port.mac, port.address, fd)
+        except NetworkError as exc:
+            raise errors.EngineError(f"network set-up failed: {exc}") from None
+        port.plugged = True
+        return reply
+
+    async def release(self, body_key: str) -> None:
+        """Free a body's port: firewall first (it can no longer speak), lease, link."""
+        port = self.ports.pop(body_key, None)
+        if port is None:
+            return
+        self.net.firewall.clear_policy(port.address, self.policies.pop(port.address, None))
+        self.net.firewall.remove_ports([(port.name, port.mac, port.address)])
+        self._free(port.address)
+        if port.plugged:
+            with contextlib.suppress(NetworkError):
+                await self.net.unplug([port.name])
+
+    async def hand_over(self, winner_key: str, parent_key: str, cgroup) -> None:
+        """A merge: the winner's body takes the parent's address (the id keeps it); the
+        parent's old body loses its port at once."""
+        old, won = self.ports.pop(parent_key, None), self.ports.get(winner_key)
+        if old is None or won is None:
+            return
+        policy = self.policies.pop(old.address, None)
+        fw = self.net.firewall
+        fw.remove_ports([(old.name, old.mac, old.address)])
+        fw.clear_policy(won.address, self.policies.pop(won.address, None))
+        fw.remove_ports([(won.name, won.mac, won.address)])
+        with contextlib.suppress(NetworkError):
+            await self.net.unplug([old.name])
+        previous, won.address = won.address, old.address
+        fw.add_ports([(won.name, won.mac, won.address)])
+        self._free(previous)
+        self.db.execute("UPDATE net_leases SET body = ?, port = ? WHERE address = ?",
+                        (winner_key, won.name, won.address))
+        if policy is not None:
+            self.apply([winner_key], policy)
+        fd = None
+        for pid in cgroup.pids():
+            with contextlib.suppress(OSError):
+                fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+                break
+        if fd is not None:
+            try:
+                await self.net.readdress(fd, previous, won.address)
+            except NetworkError as exc:
+                log.warning("merge: the winner kept its old address inside: %s", exc)
+
+    # --------------------------------------------------------------- policies
+    def policy_of(self, internet: bool | None, network: dict | None) -> dict:
+        """A request's policy, checked (not yet resolved): 400 on a bad entry."""
+        if network is not None and not isinstance(network, dict):
+            raise errors.InvalidRequest("network must be an object with allow_out/deny_out")
+        network = dict(network or {})
+        unknown = set(network) - {"allow_out", "deny_out"}
+        if unknown:
+            raise errors.InvalidRequest(f"unknown network fields: {sorted(unknown)}")
+        policy = {"internet": self.default_internet if internet is None else bool(internet)}
+        for key in ("allow_out", "deny_out"):
+            entries = network.get(key) or []
+            if not isinstance(entries, list) or not all(
+                    isinstance(e, str) and 0 < len(e) <= 253 and "\0" not in e
+                    for e in entries) or len(entries) > 256:
+                raise errors.InvalidRequest(f"{key} must be a list of CIDRs or host names")
+            policy[key] = list(entries)
+        return policy
+
+    async def resolve(self, policy: dict) -> dict:
+        """CIDRs as they are; host names as their IPv4 addresses now (a /32 each)."""
+        out = {"internet": policy["internet"]}
+        for key in ("allow_out", "deny_out"):
+            cidrs: list[str] = []
+            for entry in policy.get(key, []):
+                try:
+                    net = ipaddress.ip_network(entry, strict=False)
+                except ValueError:
+                    try:
+                        infos = await asyncio.get_running_loop().getaddrinfo(
+                            entry, None, family=socket.AF_INET)
+                    except OSError:
+                        raise errors.InvalidRequest(
+                            f"{key}: {entry!r} is neither a CIDR nor a resolvable name"
+                        ) from None
+                    cidrs += sorted({f"{info[4][0]}/32" for info in infos})
+                    continue
+                if net.version != 4:
+                    raise errors.InvalidRequest(f"{key}: IPv6 is not supported: {entry!r}")
+                cidrs.append(str(net))
+            out[key] = cidrs
+        return out
+
+    def apply(self, body_keys: list[str], resolved: dict) -> None:
+        """Give these bodies' addresses ``resolved`` as their egress policy."""
+        addresses = [self.ports[k].address for k in body_keys if k in self.ports]
+        old = {a: self.policies.get(a) for a in addresses}
+        self.net.firewall.set_policy(addresses, resolved, old)
+        for a in addresses:
+            self.policies[a] = resolved
+
+    def resolv_conf(self) -> bytes | None:
+        """``/etc/resolv.conf`` for a sandbox: the host's reachable name servers."""
+        if not self.net.resolvers:
+            return None
+        return "".join(f"nameserver {r}\n" for r in self.net.resolvers).encode()

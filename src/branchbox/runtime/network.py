@@ -1,0 +1,243 @@
+"""The daemon's sandbox network: a bridge, a veth per sandbox, a firewall, a helper.
+
+Layout (per daemon; names carry a tag of its data directory, so a test daemon
+and ``make run`` never touch each other's):
+
+* a bridge ``bbr<tag>`` holding the gateway address, the first of a /16 that
+  no host route or address overlaps (``10.89.0.0/16`` and up), or
+  ``BRANCHBOX_SUBNET``;
+* per sandbox a veth pair: ``bv<tag><n>`` on the bridge, ``eth0`` inside the
+  sandbox's own network namespace with its leased address and a default route;
+* the firewall of ``runtime.firewall``;
+* ``runtime.netlink_helper``, the only process that changes namespace.
+
+Every netlink message goes through the helper; the daemon's threads never
+``setns``. The kernel forwards between the bridge and the host's uplink for NAT,
+so the daemon turns ``net.ipv4.ip_forward`` on (as Docker and libvirt do); the
+firewall decides what is forwarded from and to the bridge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import ipaddress
+import json
+import os
+import socket
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+from branchbox.runtime.firewall import Firewall
+
+DEFAULT_FIRST_SUBNET = ipaddress.ip_network("10.89.0.0/16")
+LOCK_PATH = Path("/run/branchbox/network.lock")
+
+
+class NetworkError(RuntimeError):
+    """The network could not be set up or changed; the message says why."""
+
+
+def host_networks() -> list[ipaddress.IPv4Network]:
+    """Every IPv4 prefix the host routes or holds (``/proc/net/route`` and
+    ``/proc/net/fib_trie`` would do; the routing table is enough to avoid clashes)."""
+    nets = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/net/route").read_text().splitlines()[1:]:
+            fields = line.split()
+            dest, mask = int(fields[1], 16), int(fields[7], 16)
+            if mask == 0:
+                continue
+            addr = ipaddress.IPv4Address(dest.to_bytes(4, "little"))
+            length = bin(mask).count("1")
+            nets.append(ipaddress.ip_network(f"{addr}/{length}", strict=False))
+    return nets
+
+
+def pick_subnet(taken: list[ipaddress.IPv4Network],
+                first: ipaddress.IPv4Network = DEFAULT_FIRST_SUBNET) -> ipaddress.IPv4Network:
+    """The first /16 from ``first`` up (within 10.0.0.0/8) overlapping nothing in ``taken``."""
+    candidate = first
+    top = ipaddress.ip_network("10.0.0.0/8")
+    while candidate.subnet_of(top):
+        if not any(candidate.overlaps(net) for net in taken):
+            return candidate
+        candidate = ipaddress.ip_network(
+            (int(candidate.network_address) + candidate.num_addresses, candidate.prefixlen))
+    raise NetworkError("no free /16 in 10.0.0.0/8 for the sandbox bridge; "
+                       "set BRANCHBOX_SUBNET")
+
+
+def host_resolvers(path: Path = Path("/etc/resolv.conf")) -> list[str]:
+    """The host's IPv4 name servers a sandbox can reach through NAT (loopback ones, such
+    as a local stub resolver, are the host's own service and never reachable)."""
+    found = []
+    with contextlib.suppress(OSError):
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 2 and parts[0] == "nameserver":
+                with contextlib.suppress(ValueError):
+                    addr = ipaddress.ip_address(parts[1])
+                    if addr.version == 4 and not addr.is_loopback:
+                        found.append(str(addr))
+    return found
+
+
+class Helper:
+    """The client side of ``runtime.netlink_helper``: one request in flight per call,
+    answers matched by id, on the daemon's event loop."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        src = str(Path(__file__).resolve().parents[2])
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", "-c",
+             f"import sys; sys.path.insert(0, {src!r}); "
+             "from branchbox.runtime.netlink_helper import main; main()",
+             str(theirs.fileno())],
+            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True)
+        theirs.close()
+        self.sock = ours
+        self.sock.setblocking(False)
+        self.ids = 0
+        self.waiting: dict[int, asyncio.Future] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def _readable(self) -> None:
+        while True:
+            try:
+                data = self.sock.recv(65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:  # the helper died: fail everything waiting
+                self.loop.remove_reader(self.sock.fileno())
+                for fut in self.waiting.values():
+                    if not fut.done():
+                        fut.set_exception(NetworkError("the netlink helper died"))
+                self.waiting.clear()
+                return
+            reply = json.loads(data)
+            fut = self.waiting.pop(reply.get("id"), None)
+            if fut is not None and not fut.done():
+                fut.set_result(reply)
+
+    async def call(self, op: str, fds: list[int] = (), **args) -> dict:
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+            self.loop.add_reader(self.sock.fileno(), self._readable)
+        self.ids += 1
+        fut = self.loop.create_future()
+        self.waiting[self.ids] = fut
+        data = json.dumps({"op": op, "id": self.ids, **args}).encode()
+        while True:
+            try:
+                socket.send_fds(self.sock, [data], list(fds))
+                break
+            except BlockingIOError:
+                await asyncio.sleep(0.001)
+        reply = await fut
+        if not reply.get("ok"):
+            raise NetworkError(reply.get("error") or f"{op} failed")
+        return reply
+
+    def close(self) -> None:
+        if self.loop is not None:
+            with contextlib.suppress(ValueError, OSError):
+                self.loop.remove_reader(self.sock.fileno())
+        self.sock.close()
+        with contextlib.suppress(OSError):
+            self.proc.kill()
+        self.proc.wait()
+
+
+class Network:
+    """The bridge, firewall and helper of one daemon."""
+
+    def __init__(self, tag: str, subnet: str | None = None) -> None:
+        self.tag = tag
+        self.bridge = f"bbr{tag}"
+        self.port_prefix = f"bv{tag}"
+        self.subnet_arg = subnet
+        self.subnet: ipaddress.IPv4Network | None = None
+        self.gateway = ""
+        self.bridge_index = 0
+        self.helper: Helper | None = None
+        self.firewall: Firewall | None = None
+        self.resolvers = host_resolvers()
+
+    async def start(self) -> None:
+        """Sweep what an earlier daemon of this tag left, then build everything afresh."""
+        self.helper = Helper()
+        LOCK_PATH.parent.mkdir(parents=True, exist_ok=True)
+        with open(LOCK_PATH, "w") as lock:  # two daemons starting must not pick one subnet
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            await self.sweep(bridge_too=True)
+            if self.subnet_arg:
+                self.subnet = ipaddress.ip_network(self.subnet_arg)
+            else:
+                self.subnet = pick_subnet(host_networks())
+            self.gateway = str(self.subnet.network_address + 1)
+            reply = await self.helper.call("bridge", name=self.bridge, address=self.gateway,
+                                           prefix=self.subnet.prefixlen, mac=self.bridge_mac())
+        self.bridge_index = reply["index"]
+        for path, value in ((f"/proc/sys/net/ipv6/conf/{self.bridge}/disable_ipv6", "1"),
+                            ("/proc/sys/net/ipv4/ip_forward", "1")):
+            with contextlib.suppress(OSError):
+                Path(path).write_text(value)
+        self.firewall = Firewall(self.tag, self.bridge, str(self.subnet), self.port_prefix)
+        self.firewall.install()
+
+    def bridge_mac(self) -> str:
+        """A fixed, locally administered MAC for the bridge (sandboxes' ports are
+        ``02:bb:<address>``; this one ``02:bc:<tag>``, never the same)."""
+        digits = f"{zlib.crc32(self.tag.encode()):08x}"
+        return "02:bc:" + ":".join(digits[i:i + 2] for i in range(0, 8, 2))
+
+    async def sweep(self, *, bridge_too: bool) -> None:
+        """Delete this daemon's ports (and bridge) left on the host."""
+        names = (await self.helper.call("links"))["names"]
+        mine = [n for n in names if n.startswith(self.port_prefix)]
+        if bridge_too and self.bridge in names:
+            mine.append(self.bridge)
+        if mine:
+            await self.helper.call("unplug", names=mine)
+
+    async def plug(self, port: str, mac: str, address: str, netns_fd: int) -> dict:
+        """``port`` on the bridge, its peer ``eth0`` with ``address`` in ``netns_fd``
+        (consumed)."""
+        try:
+            return await self.helper.call("plug", [netns_fd], port=port, mac=mac, address=address,
+                                   prefix=self.subnet.prefixlen, gateway=self.gateway,
+                                   bridge=self.bridge_index)
+        finally:
+            os.close(netns_fd)
+
+    async def readdress(self, netns_fd: int, old: str, new: str) -> None:
+        try:
+            await self.helper.call("readdr", [netns_fd], old=old, new=new,
+                                   prefix=self.subnet.prefixlen, gateway=self.gateway)
+        finally:
+            os.close(netns_fd)
+        await self.helper.call("forget_neighbour", bridge=self.bridge_index, address=new)
+
+    async def unplug(self, ports: list[str]) -> None:
+        if ports:
+            await self.helper.call("unplug", names=ports)
+
+    async def stop(self) -> None:
+        """Remove the bridge, every port and the firewall."""
+        if self.helper is None:
+            return
+        try:
+            await self.sweep(bridge_too=True)
+        finally:
+            if self.firewall is not None:
+                self.firewall.remove()
+                self.firewall.nft.close()
+            self.helper.close()
+            self.helper = None

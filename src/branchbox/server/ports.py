@@ -1,0 +1,153 @@
+"""The port proxy: ``/v1/sandboxes/{id}/ports/{port}/...`` reaches ``sandbox:port``.
+
+A sandbox's address is on the daemon's bridge, which only the daemon's host
+can reach; a remote client (or one behind the daemon's TCP port) gets to a dev
+server in a sandbox through here, with the same API key as every other call.
+HTTP is streamed both ways (a large download never sits in the daemon's
+memory); a WebSocket is relayed message by message. The daemon connects from
+the host, which the firewall lets in (a sandbox answers; it never opens a
+connection to the host).
+
+The path after ``/ports/{port}`` and the query go to the sandbox as they came;
+hop-by-hop headers and ``Authorization`` (the daemon's key, not the app's) do not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+
+import httpx
+import websockets
+from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
+from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
+
+from branchbox.engine import errors
+from branchbox.engine.sandboxes import Engine
+from branchbox.server.deps import EngineDep
+
+router = APIRouter(prefix="/v1/sandboxes", tags=["ports"])
+# WebSocket routes check the key themselves (the app-wide check takes a Request), so they
+# are mounted without it.
+ws_router = APIRouter(prefix="/v1/sandboxes", tags=["ports"])
+
+_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+# RFC 9110 7.6.1 connection-specific headers, plus ours: never forwarded either way.
+_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+        "trailer", "transfer-encoding", "upgrade", "host", "authorization",
+        "content-length"}
+_TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=60.0, pool=10.0)
+
+
+class PortUnreachable(errors.EngineError):
+    status = 502
+    kind = "SandboxError"
+
+
+def _target(engine: Engine, sandbox_id: str, port: int) -> str:
+    """``address:port`` of the sandbox (404 when it does not exist, 400 on a bad port)."""
+    if not 1 <= port <= 65535:
+        raise errors.InvalidRequest(f"port must be between 1 and 65535, not {port}")
+    sb = engine.get(sandbox_id)
+    address = engine.net.address(sb.body.key)
+    if address is None:
+        raise PortUnreachable("the sandbox has no network address")
+    return f"{address}:{port}"
+
+
+def _client(request: Request) -> httpx.AsyncClient:
+    """One pooled client per app (no environment proxies: the bridge is local)."""
+    client = getattr(request.app.state, "port_client", None)
+    if client is None:
+        client = httpx.AsyncClient(timeout=_TIMEOUT, trust_env=False, follow_redirects=False)
+        request.app.state.port_client = client
+    return client
+
+
+@router.api_route("/{sandbox_id}/ports/{port}", methods=_METHODS, include_in_schema=False)
+@router.api_route("/{sandbox_id}/ports/{port}/{path:path}", methods=_METHODS)
+async def proxy_http(sandbox_id: str, port: int, request: Request, engine: EngineDep,
+                     path: str = "") -> StreamingResponse:
+    """Forward the request to ``port`` in the sandbox and stream the answer back."""
+    url = f"http://{_target(engine, sandbox_id, port)}/{path}"
+    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP]
+    client = _client(request)
+    upstream = client.build_request(request.method, url, params=request.url.query or None,
+                                    headers=headers, content=request.stream())
+    try:
+        reply = await client.send(upstream, stream=True)
+    except httpx.TransportError as exc:
+        raise PortUnreachable(f"nothing answers on port {port} in the sandbox: "
+                              f"{type(exc).__name__}") from None
+    out_headers = {k: v for k, v in reply.headers.items() if k.lower() not in _HOP}
+    return StreamingResponse(reply.aiter_raw(), status_code=reply.status_code,
+                             headers=out_headers, background=BackgroundTask(reply.aclose))
+
+
+async def _key_ok(ws: WebSocket) -> bool:
+    """The REST key check, for a WebSocket (whose dependencies cannot take a Request)."""
+    keys: frozenset[str] = ws.app.state.api_keys
+    if not keys:
+        return True
+    scheme, _, token = ws.headers.get("authorization", "").partition(" ")
+    matches = [hmac.compare_digest(token.encode(), key.encode()) for key in keys]
+    return scheme.lower() == "bearer" and any(matches)
+
+
+@ws_router.websocket("/{sandbox_id}/ports/{port}")
+@ws_router.websocket("/{sandbox_id}/ports/{port}/{path:path}")
+async def proxy_websocket(ws: WebSocket, sandbox_id: str, port: int, path: str = "") -> None:
+    """Relay a WebSocket to ``port`` in the sandbox, both directions at once."""
+    if not await _key_ok(ws):
+        await ws.close(code=1008, reason="invalid api key")
+        return
+    engine: Engine = ws.app.state.engine
+    try:
+        target = _target(engine, sandbox_id, port)
+    except errors.EngineError as exc:
+        await ws.close(code=1008 if exc.status == 404 else 1011, reason=exc.message[:120])
+        return
+    query = ws.url.query
+    url = f"ws://{target}/{path}" + (f"?{query}" if query else "")
+    subprotocols = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",")
+                    if p.strip()]
+    try:
+        upstream = await websockets.connect(url, subprotocols=subprotocols or None,
+                                            open_timeout=10, max_size=None, proxy=None)
+    except (TimeoutError, OSError, websockets.WebSocketException):
+        await ws.close(code=1011, reason=f"nothing answers on port {port} in the sandbox")
+        return
+    await ws.accept(subprotocol=upstream.subprotocol)
+
+    async def client_to_sandbox() -> None:
+        while True:
+            message = await ws.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            if message.get("bytes") is not None:
+                await upstream.send(message["bytes"])
+            elif message.get("text") is not None:
+                await upstream.send(message["text"])
+
+    async def sandbox_to_client() -> None:
+        async for message in upstream:
+            if isinstance(message, bytes):
+                await ws.send_bytes(message)
+            else:
+                await ws.send_text(message)
+
+    tasks = [asyncio.create_task(client_to_sandbox()), asyncio.create_task(sandbox_to_client())]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, WebSocketDisconnect,
+                                     websockets.WebSocketException, RuntimeError, OSError):
+                await task
+        await upstream.close()
+        with contextlib.suppress(RuntimeError, OSError):
+            await ws.close()

@@ -1,0 +1,478 @@
+"""Sandbox networking (issue 10): addresses, egress policy, isolation, the port proxy.
+
+Traffic goes only to addresses these tests create: sandbox addresses, the
+daemon's bridge, loopback, and an "outside" host — a network namespace made
+here, joined to the host by a veth, with addresses in 198.18.0.0/15 (the
+benchmarking range) and an HTTP server of its own. Nothing leaves the machine.
+
+The network does not depend on the storage backend, so one engine (btrfs) runs
+these tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import Harness
+from pyroute2 import IPRoute, NetNS, netns
+
+from branchbox import Sandbox
+
+pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.parametrize("harness", ["btrfs"], indirect=True)]
+
+# The outside host: the host's end of the veth and two addresses of the outside namespace
+# (an allow list admits one and not the other).
+HOST_SIDE = "198.18.0.1"
+OUTSIDE = "198.18.0.2"
+OUTSIDE_2 = "198.18.0.3"
+HTTP_PORT = 8080
+
+
+# ----------------------------------------------------------------- the outside host
+class Outside:
+    """A network namespace with a veth to the host, two addresses and an HTTP server."""
+
+    def __init__(self) -> None:
+        tag = f"{os.getpid() % 100000}"
+        self.ns = f"bbtest-out-{tag}"
+        self.host_if = f"bbto{tag}"
+        self.root = Path(tempfile.mkdtemp(prefix="bbtest-outside-"))
+        netns.create(self.ns)
+        try:
+            with IPRoute() as ipr:
+                ipr.link("add", ifname=self.host_if, kind="veth", peer="bbtoeth0")
+                peer = ipr.link_lookup(ifname="bbtoeth0")[0]
+                ipr.link("set", index=peer, net_ns_fd=self.ns)
+                host = ipr.link_lookup(ifname=self.host_if)[0]
+                ipr.addr("add", index=host, address=HOST_SIDE, prefixlen=29)
+                ipr.link("set", index=host, state="up")
+            with NetNS(self.ns) as ns:
+                lo = ns.link_lookup(ifname="lo")[0]
+                ns.link("set", index=lo, state="up")
+                eth = ns.link_lookup(ifname="bbtoeth0")[0]
+                for address in (OUTSIDE, OUTSIDE_2):
+                    ns.addr("add", index=eth, address=address, prefixlen=29)
+                ns.link("set", index=eth, state="up")
+            self.server = self._serve()
+        except BaseException:
+            self.remove()
+            raise
+
+    def _serve(self) -> subprocess.Popen:
+        """``python -m http.server`` inside the namespace (entered before it binds)."""
+        (self.root / "index.html").write_text("outside-ok\n")
+        code = (f"from pyroute2 import netns; netns.setns({self.ns!r}); "
+                "import runpy, sys; "
+                f"sys.argv = ['http.server', '--bind', '0.0.0.0', '{HTTP_PORT}']; "
+                "runpy.run_module('http.server', run_name='__main__')")
+        proc = subprocess.Popen([sys.executable, "-c", code], cwd=self.root,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(
+                    (OUTSIDE, HTTP_PORT), timeout=1):
+                return proc
+            time.sleep(0.1)
+        proc.kill()
+        raise RuntimeError("the outside HTTP server did not come up")
+
+    def remove(self) -> None:
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.kill()
+            server.wait()
+        with contextlib.suppress(Exception), IPRoute() as ipr:
+            for index in ipr.link_lookup(ifname=self.host_if):
+                ipr.link("del", index=index)
+        with contextlib.suppress(Exception):
+            netns.remove(self.ns)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def outside() -> Iterator[Outside]:
+    o = Outside()
+    yield o
+    o.remove()
+
+
+# ------------------------------------------------------------------- in the sandbox
+PROBE = textwrap.dedent("""
+    import json, socket, sys, time
+    host, port, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    t = time.monotonic()
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as s:
+            s.sendall(b"GET / HTTP/1.0\\r\\nHost: x\\r\\n\\r\\n")
+            s.settimeout(timeout)
+            data = s.recv(4096)
+        out = "ok " + data.decode(errors="replace").split("\\r\\n", 1)[0] if data else "closed"
+    except OSError as exc:
+        out = type(exc).__name__
+    print(json.dumps([out, time.monotonic() - t]))
+""")
+
+
+def probe(sb: Sandbox, host: str, port: int, timeout: float = 5.0) -> tuple[str, float]:
+    """Connect from inside ``sb``; ``("ok <status line>", s)`` or the error's class name."""
+    result = sb.exec(["python3", "-c", PROBE, host, str(port), str(timeout)], timeout=60)
+    assert result.exit_code == 0, result.stderr
+    out, took = json.loads(result.stdout.strip().splitlines()[-1])
+    return out, took
+
+
+def own_address(sb: Sandbox) -> str:
+    """The address the sandbox's kernel uses on its way out (eth0's)."""
+    code = ("import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+            f"s.connect(({OUTSIDE!r}, 9)); print(s.getsockname()[0])")
+    return sb.exec(["python3", "-c", code]).stdout.strip()
+
+
+class HostListener:
+    """A TCP server on the host that counts the connections it accepts."""
+
+    def __init__(self, address: str) -> None:
+        self.sock = socket.create_server((address, 0))
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        self.sock.settimeout(0.2)
+        self.stop = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop:
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.accepted += 1
+            conn.close()
+
+    def close(self) -> None:
+        self.stop = True
+        self.thread.join()
+        self.sock.close()
+
+
+def host_address() -> str:
+    """The host's address on its default route (an interface other than ours)."""
+    with IPRoute() as ipr:
+        for route in ipr.get_default_routes(family=socket.AF_INET):
+            oif = route.get_attr("RTA_OIF")
+            for addr in ipr.get_addr(family=socket.AF_INET, index=oif):
+                return addr.get_attr("IFA_ADDRESS")
+    pytest.fail("the host has no IPv4 default route to take an address from")
+
+
+# ------------------------------------------------------------------------- tests
+def test_own_address_and_fork(harness: Harness, make: Callable[..., Sandbox]) -> None:
+    sb = make()
+    net = harness.engine.net.net
+    assert sb.ip is not None and ipaddress.ip_address(sb.ip) in net.subnet
+    assert own_address(sb) == sb.ip
+    children = sb.fork(n=2)
+    try:
+        addresses = {sb.ip, *(c.ip for c in children)}
+        assert len(addresses) == 3
+        for child in children:
+            assert own_address(child) == child.ip
+            assert child.info()["address"] == child.ip
+        assert sb.info()["address"] == sb.ip and own_address(sb) == sb.ip
+    finally:
+        for child in children:
+            child.close()
+
+
+def test_merge_keeps_the_parents_address(make: Callable[..., Sandbox]) -> None:
+    sb = make()
+    before = sb.ip
+    (child,) = sb.fork(n=1)
+    sb.merge_into(child)
+    assert sb.info()["address"] == before
+    assert own_address(sb) == before
+
+
+def test_egress_on_reaches_the_outside(outside: Outside,
+                                       make: Callable[..., Sandbox]) -> None:
+    sb = make(internet=True)
+    out, _ = probe(sb, OUTSIDE, HTTP_PORT)
+    assert out.startswith("ok HTTP/1.0 200"), out
+    fetched = sb.exec(["python3", "-c", "import urllib.request as u; "
+                       f"print(u.urlopen('http://{OUTSIDE}:{HTTP_PORT}/', timeout=10)"
+                       ".read().decode())"])
+    assert fetched.stdout.strip() == "outside-ok", fetched.stderr
+
+
+def test_egress_off_fails_fast(outside: Outside, make: Callable[..., Sandbox]) -> None:
+    sb = make()  # the daemon's default: no internet
+    for port in (HTTP_PORT, 9):
+        out, took = probe(sb, OUTSIDE, port, timeout=10)
+        assert out in ("ConnectionRefusedError", "OSError"), out
+        assert took < 2, f"refused only after {took:.1f}s"
+    udp = sb.exec(["python3", "-c", textwrap.dedent(f"""
+        import socket
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(5)
+        s.connect(({OUTSIDE!r}, 53)); s.send(b"x")
+        try:
+            s.recv(10)
+        except OSError as exc:
+            print(type(exc).__name__, exc.errno)
+    """)])
+    assert "TimeoutError" not in udp.stdout and "113" in udp.stdout, udp.stdout  # EHOSTUNREACH
+
+
+def test_allow_list_admits_that_address_only(outside: Outside,
+                                             make: Callable[..., Sandbox]) -> None:
+    sb = make(network={"allow_out": [f"{OUTSIDE}/32"]})
+    assert probe(sb, OUTSIDE, HTTP_PORT)[0].startswith("ok HTTP/1.0 200")
+    out, took = probe(sb, OUTSIDE_2, HTTP_PORT)
+    assert out == "ConnectionRefusedError" and took < 2, (out, took)
+    # Inherited by fork children.
+    (child,) = sb.fork(n=1)
+    try:
+        assert probe(child, OUTSIDE, HTTP_PORT)[0].startswith("ok HTTP/1.0 200")
+        assert probe(child, OUTSIDE_2, HTTP_PORT)[0] == "ConnectionRefusedError"
+    finally:
+        child.close()
+
+
+def test_deny_list_and_runtime_change(outside: Outside,
+                                      make: Callable[..., Sandbox]) -> None:
+    sb = make(internet=True, network={"deny_out": [f"{OUTSIDE_2}/32"]})
+    assert probe(sb, OUTSIDE, HTTP_PORT)[0].startswith("ok HTTP/1.0 200")
+    assert probe(sb, OUTSIDE_2, HTTP_PORT)[0] == "ConnectionRefusedError"
+    # allow wins over deny
+    sb.update_network(allow_out=[f"{OUTSIDE_2}/32"], deny_out=["198.18.0.0/29"])
+    assert probe(sb, OUTSIDE_2, HTTP_PORT)[0].startswith("ok HTTP/1.0 200")
+    assert probe(sb, OUTSIDE, HTTP_PORT)[0] == "ConnectionRefusedError"
+    # off at runtime
+    sb.update_network(internet=False, allow_out=[], deny_out=[])
+    out, took = probe(sb, OUTSIDE, HTTP_PORT)
+    assert out == "ConnectionRefusedError" and took < 2, (out, took)
+
+
+@pytest.mark.parametrize("policy", [{"internet": True}, {}], ids=["internet", "default"])
+def test_no_host_service_is_reachable(harness: Harness, outside: Outside, policy: dict,
+                                      make: Callable[..., Sandbox]) -> None:
+    """Whatever the policy: not the host's loopback, not its addresses (the bridge's
+    gateway, the uplink's, the outside veth's host end), not the daemon's port."""
+    sb = make(**policy)
+    gateway = harness.engine.net.net.gateway
+    listeners = {addr: HostListener(addr) for addr in ("127.0.0.1", "0.0.0.0")}
+    try:
+        loop = listeners["127.0.0.1"]
+        # 127.0.0.1 inside is the sandbox's own loopback; the host's is not routed to.
+        assert probe(sb, "127.0.0.1", loop.port)[0] == "ConnectionRefusedError"
+        wildcard = listeners["0.0.0.0"]
+        for target in (gateway, host_address(), HOST_SIDE):
+            out, took = probe(sb, target, wildcard.port)
+            assert out in ("ConnectionRefusedError", "OSError"), (target, out)
+            assert took < 2, (target, took)
+        assert loop.accepted == 0 and wildcard.accepted == 0
+    finally:
+        for listener in listeners.values():
+            listener.close()
+
+
+def test_the_daemons_tcp_port_is_not_reachable(harness: Harness, outside: Outside,
+                                               served: object) -> None:
+    """A daemon serving TCP on every host address: its sandboxes cannot call its API."""
+    port = int(served.url.rsplit(":", 1)[1])
+    with Sandbox(url=served.url, api_key="net-test-key", internet=True) as sb:
+        gateway = str(ipaddress.ip_network(f"{sb.ip}/16", strict=False).network_address + 1)
+        for target in (gateway, host_address(), HOST_SIDE):
+            out, took = probe(sb, target, port)
+            assert out in ("ConnectionRefusedError", "OSError"), (target, out)
+            assert took < 2, (target, took)
+        # the host itself reaches it there, so it was really listening
+        httpx.get(f"http://{host_address()}:{port}/v1/healthz", timeout=10).raise_for_status()
+
+
+def test_sandboxes_cannot_reach_each_other(make: Callable[..., Sandbox]) -> None:
+    server = make(internet=True)
+    server.exec("python3 -m http.server --bind 0.0.0.0 8000 >/dev/null 2>&1",
+                background=True)
+    assert _wait_ok(server, "127.0.0.1", 8000)
+    other = make(internet=True)  # another family
+    (sibling,) = server.fork(n=1)  # the same family (a copy of the server: it listens too)
+    try:
+        for client in (other, sibling):
+            out, _ = probe(client, server.ip, 8000, timeout=2)
+            assert not out.startswith("ok"), out
+        out, _ = probe(server, sibling.ip, 8000, timeout=2)
+        assert not out.startswith("ok"), out
+    finally:
+        sibling.close()
+
+
+def _wait_ok(sb: Sandbox, host: str, port: int) -> bool:
+    for _ in range(50):
+        if probe(sb, host, port, timeout=2)[0].startswith("ok"):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_close_frees_the_link_and_rules(harness: Harness,
+                                        make: Callable[..., Sandbox]) -> None:
+    net = harness.engine.net
+    sb = make(internet=True)
+    port = net.ports[harness.engine.get(sb.id).body.key]
+    with IPRoute() as ipr:
+        assert ipr.link_lookup(ifname=port.name)
+    sb.close()
+    with IPRoute() as ipr:
+        assert not ipr.link_lookup(ifname=port.name)
+    assert port.address not in net.policies
+    rows = net.db.execute("SELECT address FROM net_leases WHERE body IS NOT NULL").fetchall()
+    assert (port.address,) not in rows
+
+
+# ------------------------------------------------------------------- the port proxy
+WS_ECHO = textwrap.dedent("""
+    import base64, hashlib, socket, struct, threading
+    GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+
+    def serve(conn):
+        data = b""
+        while b"\\r\\n\\r\\n" not in data:
+            data += conn.recv(4096)
+        key = [line.split(b":", 1)[1].strip() for line in data.split(b"\\r\\n")
+               if line.lower().startswith(b"sec-websocket-key:")][0]
+        accept = base64.b64encode(hashlib.sha1(key + GUID).digest())
+        conn.sendall(b"HTTP/1.1 101 Switching Protocols\\r\\nUpgrade: websocket\\r\\n"
+                     b"Connection: Upgrade\\r\\nSec-WebSocket-Accept: " + accept + b"\\r\\n\\r\\n")
+        f = conn.makefile("rb")
+        while True:
+            b1, b2 = f.read(2)
+            opcode, length = b1 & 0x0F, b2 & 0x7F
+            if length == 126:
+                length = struct.unpack(">H", f.read(2))[0]
+            elif length == 127:
+                length = struct.unpack(">Q", f.read(8))[0]
+            mask = f.read(4)
+            payload = bytes(b ^ mask[i % 4] for i, b in enumerate(f.read(length)))
+            if opcode == 8:
+                conn.sendall(b"\\x88\\x00"); return
+            reply = b"echo:" + payload
+            head = bytes([0x80 | opcode])
+            size = len(reply)
+            head += bytes([size]) if size < 126 else b"\\x7e" + struct.pack(">H", size)
+            conn.sendall(head + reply)
+
+    srv = socket.create_server(("0.0.0.0", 8765))
+    while True:
+        c, _ = srv.accept()
+        threading.Thread(target=serve, args=(c,), daemon=True).start()
+""")
+
+
+def _start_servers(sb: Sandbox) -> None:
+    sb.files.write("/srv/www/hello.txt", "hello from the sandbox\n")
+    sb.files.write("/srv/ws_echo.py", WS_ECHO)
+    sb.exec("cd /srv/www && python3 -m http.server --bind 0.0.0.0 8000 >/dev/null 2>&1",
+            background=True)
+    sb.exec("python3 /srv/ws_echo.py >/dev/null 2>&1", background=True)
+    assert _wait_ok(sb, "127.0.0.1", 8000)
+
+
+def test_port_proxy_http_in_process(harness: Harness, make: Callable[..., Sandbox]) -> None:
+    from branchbox.sdk._portal import portal
+
+    sb = make()
+    _start_servers(sb)
+    # On the daemon's host the sandbox's address is reachable as it is (the host opens
+    # the connection, the sandbox answers).
+    url = sb.get_host(8000)
+    assert url == f"http://{sb.ip}:8000"
+    direct = httpx.get(f"{url}/hello.txt", timeout=30, trust_env=False)
+    assert direct.text == "hello from the sandbox\n"
+
+    async def fetch(path: str) -> httpx.Response:
+        async with httpx.AsyncClient(transport=harness.transport(),
+                                     base_url="http://branchbox") as client:
+            return await client.get(f"/v1/sandboxes/{sb.id}/ports/8000{path}")
+
+    reply = portal.run(fetch("/hello.txt?x=1"))
+    assert reply.status_code == 200 and reply.text == "hello from the sandbox\n"
+    assert portal.run(fetch("/missing")).status_code == 404  # the sandbox's server's 404
+    sid = sb.id
+    sb.close()
+
+    async def after_close() -> httpx.Response:
+        async with httpx.AsyncClient(transport=harness.transport(),
+                                     base_url="http://branchbox") as client:
+            return await client.get(f"/v1/sandboxes/{sid}/ports/8000/hello.txt")
+
+    gone = portal.run(after_close())
+    assert gone.status_code == 404 and gone.json()["type"] == "SandboxNotFound"
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[object]:
+    """A daemon on TCP, on every host address, with an API key."""
+    from served import ServedDaemon
+
+    daemon = ServedDaemon("net", {**os.environ, "BRANCHBOX_API_KEY": "net-test-key"},
+                          "--host", "0.0.0.0")
+    yield daemon
+    daemon.stop()
+
+
+def test_port_proxy_over_tcp_with_websocket(harness: Harness, served: object) -> None:
+    import asyncio
+
+    import websockets
+
+    with Sandbox(url=served.url, api_key="net-test-key") as sb:
+        _start_servers(sb)
+        url = sb.get_host(8000)
+        assert url == f"{served.url}/v1/sandboxes/{sb.id}/ports/8000"
+        auth = {"Authorization": "Bearer net-test-key"}
+        reply = httpx.get(f"{url}/hello.txt", headers=auth, timeout=30)
+        assert reply.status_code == 200 and reply.text == "hello from the sandbox\n"
+        assert httpx.get(f"{url}/hello.txt", timeout=30).status_code == 401
+        assert httpx.get(f"{served.url}/v1/sandboxes/{sb.id}/ports/8001/", headers=auth,
+                         timeout=30).status_code == 502  # nothing listens there
+        ws_url = served.url.replace("http://", "ws://") + f"/v1/sandboxes/{sb.id}/ports/8765/"
+
+        async def echo(headers: dict[str, str]) -> list[str]:
+            async with websockets.connect(ws_url, additional_headers=headers,
+                                          proxy=None) as ws:
+                got = []
+                for text in ("one", "two" * 100):
+                    await ws.send(text)
+                    got.append(await ws.recv())
+                return got
+
+        for _ in range(50):  # the echo server starts in the background
+            with contextlib.suppress(OSError, websockets.WebSocketException):
+                assert asyncio.run(echo(auth)) == ["echo:one", "echo:" + "two" * 100]
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("no WebSocket echo through the proxy")
+        with pytest.raises(websockets.WebSocketException):
+            asyncio.run(echo({}))  # no key: closed before it opens
+        sid = sb.id
+    assert httpx.get(f"{served.url}/v1/sandboxes/{sid}/ports/8000/hello.txt", headers=auth,
+                     timeout=30).status_code == 404
