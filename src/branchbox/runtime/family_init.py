@@ -64,7 +64,9 @@ def _first_repl(spec: dict, status_w: int) -> None:
         entry.close_fds_except(keep)
         confine.confine()  # inherited by every fork child and command from here on
         code = AGENT_BOOT.format(ctrl=spec["ctrl_fd"], spawner=spawner)
-        os.execve(spec["python"], ["python3", "-c", code], spec["env"])
+        # argv[0] is the full path: Python finds its venv (the image's /opt/venv) from it,
+        # not from a PATH the sandbox's env may have replaced.
+        os.execve(spec["python"], [spec["python"], "-c", code], spec["env"])
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the daemon
         os.write(status_w, f"sandbox entry failed: {type(exc).__name__}: {exc}".encode())
         os._exit(1)
