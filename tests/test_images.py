@@ -156,6 +156,12 @@ def test_pip_install_then_import_in_the_repl_copy_on_write(make) -> None:
     assert other.run_code("import bbwheel").error.name == "ModuleNotFoundError"
 
 
+def test_the_repl_runs_in_the_venv_whatever_path_it_is_given(make) -> None:
+    sb = make(env={"PATH": "/usr/bin:/bin"})
+    assert sb.run_code("import sys; sys.prefix").text == "'/opt/venv'"
+    assert sb.run_code("import matplotlib; 'ok'").text == "'ok'"
+
+
 def test_the_default_image_has_the_tools_agents_reach_for(make) -> None:
     sb = make()
     done = sb.exec("git --version && python3 -m pytest --version && pytest --version && "
