@@ -476,3 +476,48 @@ def test_port_proxy_over_tcp_with_websocket(harness: Harness, served: object) ->
         sid = sb.id
     assert httpx.get(f"{served.url}/v1/sandboxes/{sid}/ports/8000/hello.txt", headers=auth,
                      timeout=30).status_code == 404
+
+
+# --------------------------------------------------------------- fork and sockets
+def _accept_and_greet(sb: Sandbox, name: str) -> list[str]:
+    """The REPL's listening socket ``srv`` takes one queued connection and answers;
+    returns the run's warnings."""
+    result = sb.run_code(f"c, _ = srv.accept(); c.sendall(b{name!r}); c.close()", timeout=30)
+    assert result.error is None, result.error
+    return result.warnings
+
+
+def test_listening_socket_listens_in_each_child(make: Callable[..., Sandbox]) -> None:
+    sb = make()
+    sb.run_code("import socket; srv = socket.create_server(('0.0.0.0', 8000)); "
+                "fd = srv.fileno()")
+    children = sb.fork(n=2)
+    try:
+        warnings = {}
+        for who, name in ((sb, "parent"), *zip(children, ("one", "two"), strict=True)):
+            with socket.create_connection((who.ip, 8000), timeout=10) as conn:
+                warnings[name] = _accept_and_greet(who, name)
+                assert conn.recv(100) == name.encode()
+        assert children[0].run_code("srv.fileno() == fd").text == "True"
+        assert not warnings["parent"]
+        for name in ("one", "two"):
+            assert any("listening sockets re-created" in w and "tcp 0.0.0.0:8000" in w
+                       for w in warnings[name]), warnings[name]
+    finally:
+        for child in children:
+            child.close()
+
+
+def test_established_connection_stays_with_the_parent(outside: Outside,
+                                                      make: Callable[..., Sandbox]) -> None:
+    sb = make(internet=True)
+    sb.run_code(f"import socket; conn = socket.create_connection(({OUTSIDE!r}, {HTTP_PORT}))")
+    (child,) = sb.fork(n=1)
+    try:
+        gone = child.run_code("conn.sendall(b'GET / HTTP/1.0\\r\\n\\r\\n')")
+        assert gone.error is not None and "OSError" in gone.error.name + gone.error.value
+        alive = sb.run_code("conn.sendall(b'GET / HTTP/1.0\\r\\n\\r\\n'); "
+                            "print(conn.recv(100).split(b'\\r\\n')[0].decode())")
+        assert alive.stdout.strip() == "HTTP/1.0 200 OK", alive
+    finally:
+        child.close()

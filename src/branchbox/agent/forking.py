@@ -223,6 +223,99 @@ def _reopen(reopen: list[tuple[int, str, int, int]], close: list[int]) -> None:
         os.close(null)
 
 
+# Options a listening socket keeps in a fork child (read from the parent's, set on the
+# new one before bind). Buffer sizes are left out: the kernel reports them doubled.
+_SOCKOPTS = [(socket.SOL_SOCKET, socket.SO_REUSEADDR), (socket.SOL_SOCKET, socket.SO_REUSEPORT),
+             (socket.SOL_SOCKET, socket.SO_KEEPALIVE), (socket.SOL_SOCKET, socket.SO_BROADCAST),
+             (socket.IPPROTO_TCP, socket.TCP_NODELAY),
+             (socket.IPPROTO_TCP, getattr(socket, "TCP_DEFER_ACCEPT", 9))]
+_V6ONLY = (socket.IPPROTO_IPV6, socket.IPV6_V6ONLY)
+
+
+def relisten(fds: list[int]) -> tuple[list[int], list[str]]:
+    """Re-create, in this fork child's own network namespace, the listening TCP and bound
+    (unconnected) UDP sockets among ``fds``: same family, type, port, options, blocking
+    mode and fd number, so the REPL's socket objects listen here. A socket bound to a
+    specific non-loopback address (the parent's own) listens on the wildcard: the
+    child's address is another. Returns the fds still to close (connected sockets,
+    pipes, ...) and a description of each re-created socket.
+
+    Must run after the child entered its network namespace and before ``_reopen``.
+    """
+    rest: list[int] = []
+    made: list[str] = []
+    for fd in fds:
+        try:
+            old = socket.socket(fileno=fd)
+        except OSError:
+            rest.append(fd)
+            continue
+        try:
+            described = _relisten_one(old, fd)
+        except OSError:
+            described = None
+        finally:
+            old.detach()  # the number stays: dup2'ed over, or closed by _reopen
+        if described is None:
+            rest.append(fd)
+        else:
+            made.append(described)
+    return rest, made
+
+
+def _relisten_one(old: socket.socket, fd: int) -> str | None:
+    family, kind = old.family, old.type
+    if family not in (socket.AF_INET, socket.AF_INET6) or \
+            kind not in (socket.SOCK_STREAM, socket.SOCK_DGRAM):
+        return None
+    if kind == socket.SOCK_STREAM and not old.getsockopt(socket.SOL_SOCKET,
+                                                         socket.SO_ACCEPTCONN):
+        return None  # connected (or never listened): gone in the child
+    if kind == socket.SOCK_DGRAM:
+        try:
+            old.getpeername()
+            return None  # a connected UDP socket is a connection
+        except OSError:
+            pass
+    address = old.getsockname()
+    if address[1] == 0:
+        return None
+    host = address[0]
+    if host not in ("0.0.0.0", "::") and not host.startswith("127.") and host != "::1":
+        address = ("0.0.0.0" if family == socket.AF_INET else "::", *address[1:])
+    options = []
+    for level, name in [*_SOCKOPTS, *([_V6ONLY] if family == socket.AF_INET6 else [])]:
+        with contextlib.suppress(OSError):
+            options.append((level, name, old.getsockopt(level, name)))
+    new = socket.socket(family, kind)
+    try:
+        for level, name, value in options:
+            with contextlib.suppress(OSError):
+                new.setsockopt(level, name, value)
+        new.bind(address)
+        if kind == socket.SOCK_STREAM:
+            new.listen(socket.SOMAXCONN)
+        new.setblocking(os.get_blocking(fd))
+        os.dup2(new.fileno(), fd, inheritable=os.get_inheritable(fd))
+    finally:
+        new.close()
+    proto = "tcp" if kind == socket.SOCK_STREAM else "udp"
+    return f"{proto} {address[0]}:{address[1]} (fd {fd})"
+
+
+def _child_warning(threads: str | None, relistened: list[str], closed: list[int]) -> str | None:
+    """The child's first-execution warning: threads lost, sockets re-created or gone."""
+    parts = [threads] if threads else []
+    if relistened:
+        parts.append("listening sockets re-created in this fork child's own network: "
+                     + ", ".join(relistened))
+    if closed:
+        parts.append("inherited sockets, pipes and other non-file fds are /dev/null in "
+                     "this fork child (established connections do not follow a fork): fds "
+                     + ", ".join(map(str, closed)))
+    return "; ".join(parts) or None
+
+
 def _become_child(agent, slot: _Slot, batch: _Batch) -> None:
     try:
         for fd in _inherited():
@@ -237,9 +330,10 @@ def _become_child(agent, slot: _Slot, batch: _Batch) -> None:
         STATE.spawner = entered.spawner
         STATE.listener = -1 if entered.listener is None else entered.listener
         STATE.batch = None
-        STATE.warning = batch.warning
         os.chdir(batch.cwd)
-        _reopen(batch.reopen, batch.close)
+        close, relistened = relisten(batch.close)
+        STATE.warning = _child_warning(batch.warning, relistened, close)
+        _reopen(batch.reopen, close)
         ctrl = socket.socket(fileno=slot.ctrl)
         agent.reset_after_fork(ctrl)
         hello = {"pid": os.getpid()}
