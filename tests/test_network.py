@@ -389,6 +389,7 @@ WS_ECHO = textwrap.dedent("""
 def _start_servers(sb: Sandbox) -> None:
     sb.files.write("/srv/www/hello.txt", "hello from the sandbox\n")
     sb.files.write("/srv/ws_echo.py", WS_ECHO)
+    sb.exec("head -c 5000000 /dev/urandom > /srv/www/blob")
     sb.exec("cd /srv/www && python3 -m http.server --bind 0.0.0.0 8000 >/dev/null 2>&1",
             background=True)
     sb.exec("python3 /srv/ws_echo.py >/dev/null 2>&1", background=True)
@@ -451,6 +452,10 @@ def test_port_proxy_over_tcp_with_websocket(harness: Harness, served: object) ->
         reply = httpx.get(f"{url}/hello.txt", headers=auth, timeout=30)
         assert reply.status_code == 200 and reply.text == "hello from the sandbox\n"
         assert httpx.get(f"{url}/hello.txt", timeout=30).status_code == 401
+        # streamed whole (a GET goes on without a body: http.server would reset otherwise)
+        blob = httpx.get(f"{url}/blob", headers=auth, timeout=60)
+        direct = httpx.get(f"http://{sb.ip}:8000/blob", timeout=60, trust_env=False)
+        assert len(blob.content) == 5_000_000 and blob.content == direct.content
         assert httpx.get(f"{served.url}/v1/sandboxes/{sb.id}/ports/8001/", headers=auth,
                          timeout=30).status_code == 502  # nothing listens there
         ws_url = served.url.replace("http://", "ws://") + f"/v1/sandboxes/{sb.id}/ports/8765/"

@@ -85,10 +85,15 @@ class Firewall:
             ],
             ("bridge", "sb_fwd"): [f'iifname "{self.port_glob}" oifname "{self.port_glob}" '
                                    'drop'],
+            # A packet conntrack calls invalid (out of its window, as a fast stream's
+            # late segments can be) is dropped, never answered: a reset would kill a
+            # healthy connection.
             ("inet", "sb_in"): [f'iifname "{br}" ct state established,related accept',
+                                f'iifname "{br}" ct state invalid drop',
                                 *(f'iifname "{br}" {r}' for r in _REJECT_TEXT)],
             ("inet", "sb_fwd"): [f'oifname "{br}" ct state established,related accept',
                                  f'oifname "{br}" drop',
+                                 f'iifname "{br}" ct state invalid drop',
                                  f'iifname "{br}" ip saddr vmap @egress',
                                  *(f'iifname "{br}" {r}' for r in _REJECT_TEXT)],
             ("inet", "sb_nat"): [f'ip saddr {net}/{length} oifname != "{br}" masquerade'],

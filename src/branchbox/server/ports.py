@@ -36,8 +36,7 @@ ws_router = APIRouter(prefix="/v1/sandboxes", tags=["ports"])
 _METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 # RFC 9110 7.6.1 connection-specific headers, plus ours: never forwarded either way.
 _HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-        "trailer", "transfer-encoding", "upgrade", "host", "authorization",
-        "content-length"}
+        "trailer", "transfer-encoding", "upgrade", "host", "authorization"}
 _TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=60.0, pool=10.0)
 
 
@@ -74,8 +73,12 @@ async def proxy_http(sandbox_id: str, port: int, request: Request, engine: Engin
     url = f"http://{_target(engine, sandbox_id, port)}/{path}"
     headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP]
     client = _client(request)
+    # A body only when the request has one: an empty chunked body on a GET is bytes a
+    # simple server never reads, and closing with unread bytes resets the connection.
+    has_body = "content-length" in request.headers or "transfer-encoding" in request.headers
     upstream = client.build_request(request.method, url, params=request.url.query or None,
-                                    headers=headers, content=request.stream())
+                                    headers=headers,
+                                    content=request.stream() if has_body else None)
     try:
         reply = await client.send(upstream, stream=True)
     except httpx.TransportError as exc:
