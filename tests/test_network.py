@@ -77,6 +77,7 @@ class Outside:
     def _serve(self) -> subprocess.Popen:
         """``python -m http.server`` inside the namespace (entered before it binds)."""
         (self.root / "index.html").write_text("outside-ok\n")
+        _tiny_index(self.root)
         code = (f"from pyroute2 import netns; netns.setns({self.ns!r}); "
                 "import runpy, sys; "
                 f"sys.argv = ['http.server', '--bind', '0.0.0.0', '{HTTP_PORT}']; "
@@ -103,6 +104,37 @@ class Outside:
         with contextlib.suppress(Exception):
             netns.remove(self.ns)
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+WHEEL_PKG = "bbtinypkg"
+
+
+def _tiny_index(root: Path) -> None:
+    """A package index of one wheel built here: ``/simple/bbtinypkg/`` links to it."""
+    import base64
+    import hashlib
+    import zipfile
+
+    name = f"{WHEEL_PKG}-0.1-py3-none-any.whl"
+    files = {
+        f"{WHEEL_PKG}/__init__.py": "ANSWER = 42\n",
+        f"{WHEEL_PKG}-0.1.dist-info/METADATA":
+            f"Metadata-Version: 2.1\nName: {WHEEL_PKG}\nVersion: 0.1\n",
+        f"{WHEEL_PKG}-0.1.dist-info/WHEEL":
+            "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = []
+    for path, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=")
+        record.append(f"{path},sha256={digest.decode()},{len(text.encode())}")
+    record.append(f"{WHEEL_PKG}-0.1.dist-info/RECORD,,")
+    files[f"{WHEEL_PKG}-0.1.dist-info/RECORD"] = "\n".join(record) + "\n"
+    with zipfile.ZipFile(root / name, "w") as wheel:
+        for path, text in files.items():
+            wheel.writestr(path, text)
+    page = root / "simple" / WHEEL_PKG
+    page.mkdir(parents=True)
+    (page / "index.html").write_text(f'<html><body><a href="/{name}">{name}</a></body></html>\n')
 
 
 @pytest.fixture(scope="module")
@@ -526,3 +558,22 @@ def test_established_connection_stays_with_the_parent(outside: Outside,
         assert alive.stdout.strip() == "HTTP/1.0 200 OK", alive
     finally:
         child.close()
+
+
+def test_pip_install_from_an_index_outside(outside: Outside,
+                                           make: Callable[..., Sandbox]) -> None:
+    """``pip install`` with egress on reaches the outside index; with egress off it fails
+    at once. (The default image's pip is its /opt/venv's, so PEP 668 does not apply.)"""
+    pip = (f"pip install --isolated --no-cache-dir --disable-pip-version-check --retries 0 "
+           f"--trusted-host {OUTSIDE} "
+           f"--timeout 10 --index-url http://{OUTSIDE}:{HTTP_PORT}/simple/ {WHEEL_PKG}")
+    sb = make(internet=True)
+    done = sb.exec(pip, timeout=120)
+    assert done.exit_code == 0, done.stdout + done.stderr
+    assert sb.exec(["python3", "-c", f"import {WHEEL_PKG}; print({WHEEL_PKG}.ANSWER)"]
+                   ).stdout.strip() == "42"
+    off = make()
+    t0 = time.monotonic()
+    refused = off.exec(pip, timeout=120)
+    assert refused.exit_code != 0
+    assert time.monotonic() - t0 < 30, "pip should fail fast, not wait for timeouts"
