@@ -577,3 +577,37 @@ def test_pip_install_from_an_index_outside(outside: Outside,
     refused = off.exec(pip, timeout=120)
     assert refused.exit_code != 0
     assert time.monotonic() - t0 < 30, "pip should fail fast, not wait for timeouts"
+
+
+SOURCED = textwrap.dedent("""
+    import socket, sys
+    source, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    try:
+        with socket.create_connection((host, port), timeout=3, source_address=(source, 0)):
+            print("connected")
+    except OSError as exc:
+        print(type(exc).__name__)
+""")
+
+
+def test_no_spoofing_of_another_address_or_mac(outside: Outside,
+                                               make: Callable[..., Sandbox]) -> None:
+    """Root in a sandbox owns its network namespace and may change eth0 at will; the
+    bridge lets through only the (port, MAC, address) of its lease."""
+    sb = make(internet=True)
+    victim = make(internet=True)
+    free = str(ipaddress.ip_address(sb.ip) + 200)  # leased to nobody in this test
+
+    def from_(source: str) -> str:
+        return sb.exec(["python3", "-c", SOURCED, source, OUTSIDE, str(HTTP_PORT)],
+                       timeout=60).stdout.strip()
+
+    assert from_(sb.ip) == "connected"
+    for address in (victim.ip, free):
+        assert sb.exec(f"ip addr add {address}/32 dev eth0").exit_code == 0
+        assert from_(address) != "connected", address
+    # the victim's address still works for the victim (no ARP hijack got through)
+    assert probe(victim, OUTSIDE, HTTP_PORT)[0].startswith("ok HTTP/1.0 200")
+    # another MAC: nothing passes, not even from the sandbox's own address
+    assert sb.exec("ip link set eth0 address 02:bb:00:00:00:99").exit_code == 0
+    assert from_(sb.ip) != "connected"
