@@ -483,6 +483,8 @@ def test_port_proxy_over_tcp_with_websocket(harness: Harness, served: object) ->
         auth = {"Authorization": "Bearer net-test-key"}
         reply = httpx.get(f"{url}/hello.txt", headers=auth, timeout=30)
         assert reply.status_code == 200 and reply.text == "hello from the sandbox\n"
+        assert reply.headers["content-type"].startswith("text/plain")  # the sandbox's
+        assert len(reply.headers.get_list("date")) == 1
         assert httpx.get(f"{url}/hello.txt", timeout=30).status_code == 401
         # streamed whole (a GET goes on without a body: http.server would reset otherwise)
         blob = httpx.get(f"{url}/blob", headers=auth, timeout=60)

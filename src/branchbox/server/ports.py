@@ -84,9 +84,14 @@ async def proxy_http(sandbox_id: str, port: int, request: Request, engine: Engin
     except httpx.TransportError as exc:
         raise PortUnreachable(f"nothing answers on port {port} in the sandbox: "
                               f"{type(exc).__name__}") from None
-    out_headers = {k: v for k, v in reply.headers.items() if k.lower() not in _HOP}
-    return StreamingResponse(reply.aiter_raw(), status_code=reply.status_code,
-                             headers=out_headers, background=BackgroundTask(reply.aclose))
+    response = StreamingResponse(reply.aiter_raw(), status_code=reply.status_code,
+                                 background=BackgroundTask(reply.aclose))
+    # Every header line as sent (several Set-Cookie stay several); uvicorn adds its own
+    # Date and Server, so the sandbox's would be second copies.
+    response.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
+                            for k, v in reply.headers.multi_items()
+                            if k.lower() not in _HOP and k.lower() not in ("date", "server")]
+    return response
 
 
 async def _key_ok(ws: WebSocket) -> bool:
