@@ -46,8 +46,10 @@ app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Linux sandboxes with a persistent Python REPL that fork, diff and merge.")
 
 
-def command(name: str | None = None) -> Callable[[Callable[P, None]], Callable[P, None]]:
-    """``app.command``, with SDK errors shown as one red line and exit status 1."""
+def command(name: str | None = None, group: typer.Typer | None = None,
+            ) -> Callable[[Callable[P, None]], Callable[P, None]]:
+    """``group.command`` (the top-level app by default), with SDK errors shown as one red
+    line and exit status 1."""
 
     def register(func: Callable[P, None]) -> Callable[P, None]:
         @functools.wraps(func)
@@ -57,7 +59,7 @@ def command(name: str | None = None) -> Callable[[Callable[P, None]], Callable[P
             except SandboxError as exc:
                 fail(str(exc))
 
-        app.command(name)(run)
+        (group or app).command(name)(run)
         return run
 
     return register
@@ -485,24 +487,7 @@ image_app = typer.Typer(no_args_is_help=True, help="Images sandboxes start from.
 app.add_typer(image_app, name="image")
 
 
-def image_command(name: str) -> Callable[[Callable[P, None]], Callable[P, None]]:
-    """``image_app.command``, with SDK errors shown as one red line and exit status 1."""
-
-    def register(func: Callable[P, None]) -> Callable[P, None]:
-        @functools.wraps(func)
-        def run(*args: P.args, **kwargs: P.kwargs) -> None:
-            try:
-                func(*args, **kwargs)
-            except SandboxError as exc:
-                fail(str(exc))
-
-        image_app.command(name)(run)
-        return run
-
-    return register
-
-
-@image_command("ls")
+@command("ls", image_app)
 def image_list(as_json: Json = False) -> None:
     """List the images: built-in ones and those saved from sandboxes."""
     images = Sandbox.list_images()
@@ -518,7 +503,7 @@ def image_list(as_json: Json = False) -> None:
     out.print(table)
 
 
-@image_command("save")
+@command("save", image_app)
 def image_save(sandbox_id: SandboxId,
                name: Annotated[str, typer.Argument(help="Name of the new image.")],
                as_json: Json = False) -> None:
@@ -531,7 +516,7 @@ def image_save(sandbox_id: SandboxId,
         out.print(f"saved {info['name']} ({(info.get('size_bytes') or 0) / 1e6:.0f} MB of its own)")
 
 
-@image_command("rm")
+@command("rm", image_app)
 def image_remove(name: Annotated[str, typer.Argument(help="Image to delete.")]) -> None:
     """Delete a saved image (refused while a sandbox or another image uses it)."""
     Sandbox.remove_image(name)

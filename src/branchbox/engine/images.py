@@ -28,7 +28,7 @@ from branchbox.engine import errors
 from branchbox.storage import btrfs
 from branchbox.storage.copyfs import remove_tree
 from branchbox.storage.idmap import UID_BASE, UID_COUNT
-from branchbox.storage.images import KNOWN_IMAGES, SYSTEM_PYTHON, image_manifest
+from branchbox.storage.images import KNOWN_IMAGES, SYSTEM_PYTHON, image_manifest, write_atomically
 
 # Lower case, digits and . _ -; at most 64; not a path, so it can name a file.
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
@@ -107,7 +107,7 @@ class SavedImages:
                     "size_bytes": await asyncio.to_thread(_usage, volume / "upper"),
                 }
                 self._images_dir().mkdir(parents=True, exist_ok=True)
-                _write_atomically(self._images_dir() / f"{name}.json", json.dumps(manifest))
+                write_atomically(self._images_dir() / f"{name}.json", json.dumps(manifest))
             except BaseException:
                 self.layers.backend.delete(volume)
                 raise
@@ -253,12 +253,3 @@ def _usage(root: Path) -> int:
             with contextlib.suppress(OSError):
                 total += os.lstat(os.path.join(dirpath, entry)).st_blocks * 512
     return total
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

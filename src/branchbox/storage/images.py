@@ -219,7 +219,7 @@ def _build(name: str, spec: ImageSpec, image_dir: Path, progress: bool) -> None:
                 "uid_base": UID_BASE,
             }
         os.rename(target, image_dir / "rootfs")
-        _write_atomically(image_dir / "manifest.json", json.dumps(manifest, indent=2) + "\n")
+        write_atomically(image_dir / "manifest.json", json.dumps(manifest, indent=2) + "\n")
     finally:
         _unmount_under(build_dir)
         remove_tree(build_dir)
@@ -490,7 +490,8 @@ def _disk_usage(root: Path) -> int:
     return total
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def write_atomically(path: Path, text: str) -> None:
+    """``text`` into ``path``, whole or not at all (a temporary file, fsynced, renamed)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         f.write(text)
