@@ -113,11 +113,14 @@ def write_json(results: Results, path: Path) -> None:
 
 def plot(results: Results, path: Path) -> bool:
     """Fork latency (p50) against n and against parent memory, with the floor dashed.
-    Returns False when the run measured no fork rows (say ``--only create``)."""
+    Returns False when the run measured no fork rows (say ``--only create``). Only the
+    fork suite's rows count: other suites' fork rows (the network suite's) have no
+    parent size to place them by."""
     points = [
         r
         for r in all_rows(results).values()
-        if r.params.get("kind") in ("fork", "floor") and r.summary()
+        if r.params.get("kind") in ("fork", "floor") and "parent_mb" in r.params
+        and r.summary()
     ]
     if not points:
         return False
