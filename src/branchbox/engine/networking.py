@@ -165,8 +165,10 @@ class SandboxNetwork:
         fw.remove_ports([(old.name, old.mac, old.address)])
         fw.clear_policy(won.address, self.policies.pop(won.address, None))
         fw.remove_ports([(won.name, won.mac, won.address)])
-        with contextlib.suppress(NetworkError):
-            await self.net.unplug([old.name])
+        # The old port is not deleted here: deleting a veth waits for RCU grace periods
+        # (~20 ms, and the netlink helper is serial). It is out of the firewall already, so
+        # nothing it sends gets through, and the kernel deletes the pair when the old body's
+        # namespace dies (its processes are being killed now).
         previous, won.address = won.address, old.address
         fw.add_ports([(won.name, won.mac, won.address)])
         self._free(previous)
