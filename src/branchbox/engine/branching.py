@@ -72,9 +72,10 @@ class Branching:
                 fresh.append(await asyncio.to_thread(self.layers.squash, lowers))
                 lowers = [fresh[-1]]
             limits = self._limits(parent.record.meta.get("memory_mb"))
-            repl = await channel.call("ping")
-            inherit = await asyncio.to_thread(procfs.inherited, pbody.cgroup.pids(),
-                                              int(repl.get("pid") or 0))
+            if pbody.repl_host is None:  # a body keeps its REPL: look it up once
+                repl = await channel.call("ping")
+                pbody.repl_host = procfs.find_repl(pbody.cgroup.pids(), int(repl.get("pid") or 0))
+            inherit = await asyncio.to_thread(procfs.inherited, pbody.repl_host)
             for _ in range(n):
                 sid, body = self._prepare_child(lowers, pbody.layers, limits)
                 made.append((sid, body))

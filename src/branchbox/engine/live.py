@@ -39,6 +39,7 @@ class Body:
     layers: LayerStack
     cgroup: SandboxCgroup
     channel: AgentChannel | None = None
+    repl_host: int | None = None  # the REPL's host pid, once a fork has looked it up
 
 
 @dataclass(eq=False)

@@ -62,12 +62,12 @@ def describe_fds(pid: int) -> dict:
     return {"fds": entries, "threads": threads}
 
 
-def inherited(candidates: list[int], ns_pid: int) -> dict:
-    """What the REPL ``ns_pid`` (among ``candidates``) holds; empty if it is not found."""
-    pid = find_repl(candidates, ns_pid)
+def inherited(pid: int | None) -> dict:
+    """What process ``pid`` (a REPL, see :func:`find_repl`) holds; empty if it is not known
+    or gone (the fork then fails on its own)."""
     if pid is None:
         return {}
     try:
         return describe_fds(pid)
-    except OSError:  # it died meanwhile: the fork fails on its own
+    except OSError:
         return {}
