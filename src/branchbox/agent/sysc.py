@@ -96,6 +96,17 @@ def umount2(target: str, flags: int = 0) -> None:
     _check(_libc.umount2(_b(target), ctypes.c_int(flags)), f"umount {target}", target)
 
 
+def syncfs(fd: int) -> None:
+    """Write back everything dirty on the filesystem holding ``fd`` and wait for it.
+
+    One call instead of an fsync per file: a commit of 23,000 files paid ~20 s of
+    fsyncs (each a journal commit and a disk flush) where one syncfs takes well under
+    a second. Since Linux 5.8 it reports writeback errors (EIO, ENOSPC) of the
+    filesystem as fsync does.
+    """
+    _check(_libc.syncfs(ctypes.c_int(fd)), "syncfs")
+
+
 def pivot_root(new_root: str, put_old: str) -> None:
     _check(_libc.syscall(_SYS_PIVOT_ROOT, _b(new_root), _b(put_old)), "pivot_root", new_root)
 

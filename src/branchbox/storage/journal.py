@@ -22,6 +22,7 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
+from branchbox.agent import sysc
 from branchbox.storage.beneath import open_beneath, parent_beneath
 
 if TYPE_CHECKING:
@@ -180,7 +181,6 @@ def _stage(item: Staged, name: str, stage_fd: int, layers: list[int]) -> int:
             os.fchown(fd, item.uid, item.gid)
             os.fchmod(fd, item.mode)  # after chown; the plan has stripped setid bits
             os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))  # make & co. go by mtime
-            os.fsync(fd)
         finally:
             os.close(fd)
     finally:
@@ -189,14 +189,17 @@ def _stage(item: Staged, name: str, stage_fd: int, layers: list[int]) -> int:
 
 
 def _write_journal(stage_fd: int, host: str, steps: list[Step]) -> None:
-    """Make the journal durable under its final name; the rename is the commit point."""
+    """Make the journal durable under its final name; the rename is the commit point.
+
+    Everything staged and the journal's content are made durable by one ``syncfs``
+    of the staging filesystem before the rename, not by an fsync per file (which
+    cost ~20 s for 23,000 files: each fsync is a journal commit and a disk flush).
+    """
     fd = os.open(_JOURNAL_TMP, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                  | os.O_CLOEXEC, 0o600, dir_fd=stage_fd)
     with os.fdopen(fd, "w") as out:
         json.dump({"version": 1, "host": host, "steps": steps}, out)
-        out.flush()
-        os.fsync(out.fileno())
-    os.fsync(stage_fd)  # staged entries and the journal's content before the name
+    sysc.syncfs(stage_fd)  # staged entries and the journal's content before the name
     _crash_at("journal-written")
     os.rename(_JOURNAL_TMP, JOURNAL, src_dir_fd=stage_fd, dst_dir_fd=stage_fd)
     _crash_at("journal-renamed")
@@ -217,12 +220,13 @@ def _finish(stage_fd: int, host_fd: int, steps: list[Step]) -> None:
 
     Safe to run any number of times after the journal is in place: a remove
     only takes the inode it planned for, a place only moves what is still
-    staged, a chmod sets the same mode. Every host path is resolved below
+    staged, a chmod sets the same mode. The applied steps are made durable by one
+    ``syncfs`` of the host directory's filesystem (the staging directory's too: they
+    share a mount), not an fsync per touched directory. Every host path is resolved below
     ``host_fd`` without following a symlink: the host dir may hold symlinks
     a sandbox committed, and none of them may lead a rename or chmod out.
     The caller removes the (then empty) staging dir itself.
     """
-    touched: dict[str, None] = {}
     for i, (action, path, arg) in enumerate(steps, 1):
         if action == "remove":
             try:
@@ -239,7 +243,6 @@ def _finish(stage_fd: int, host_fd: int, steps: list[Step]) -> None:
                         os.rename(name, f"t{i}", src_dir_fd=parent, dst_dir_fd=stage_fd)
                 finally:
                     os.close(parent)
-            touched[os.path.dirname(path)] = None
         elif action == "place":
             if _lexists_at(stage_fd, str(arg)):
                 parent, name = parent_beneath(host_fd, path)
@@ -247,21 +250,14 @@ def _finish(stage_fd: int, host_fd: int, steps: list[Step]) -> None:
                     os.replace(str(arg), name, src_dir_fd=stage_fd, dst_dir_fd=parent)
                 finally:
                     os.close(parent)
-            touched[os.path.dirname(path)] = None
         else:
             fd = open_beneath(host_fd, path, os.O_RDONLY | os.O_DIRECTORY)
             try:
                 os.fchmod(fd, int(arg))  # planned on a real directory
             finally:
                 os.close(fd)
-            touched[path] = None
         _crash_at(f"apply:{i}")
-    for directory in touched:
-        fd = open_beneath(host_fd, directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    sysc.syncfs(host_fd)
     _crash_at("applied")
     for name in os.listdir(stage_fd):
         if name != JOURNAL:

@@ -13,12 +13,14 @@ the same mount as the host directory so that every move is a ``rename``):
 
 1. Plan and conflict check only read. A crash here changes nothing.
 2. Stage: every new file, symlink and directory is written into S with its
-   final owner, mode and content, and each file is fsynced. The host is not
-   touched, so a crash leaves only S, without a journal: ``recover`` deletes
-   it and the host is the old version.
-3. Journal: the steps go to ``S/journal.json.tmp``, which is fsynced; then S
-   is fsynced, so every staged entry and the full journal are on disk before
-   the next step. ``rename(journal.json.tmp, journal.json)`` is atomic: after
+   final owner, mode and content. The host is not touched, so a crash leaves
+   only S, without a journal: ``recover`` deletes it and the host is the old
+   version.
+3. Journal: the steps go to ``S/journal.json.tmp``; then one ``syncfs`` of
+   S's filesystem puts every staged entry and the full journal on disk before
+   the next step (one flush for the whole commit: an fsync per staged file
+   kept a 23,000-file commit 20 s from its commit point).
+   ``rename(journal.json.tmp, journal.json)`` is atomic: after
    a crash ``journal.json`` is absent (old version, nothing in the host was
    touched yet) or complete with everything it names. This rename is the
    commit point; S is fsynced again to make it durable.
@@ -35,8 +37,8 @@ the same mount as the host directory so that every move is a ``rename``):
    - *chmod P* is idempotent by itself.
 
    Removes all run before places (deletes before creates), parents are
-   placed before their children, and every touched host directory is
-   fsynced before step 5, so the new version is durable while the journal
+   placed before their children, and the host's filesystem is synced
+   (``syncfs``) before step 5, so the new version is durable while the journal
    still exists.
 5. Cleanup: removed entries (parked in S), then the journal, then S. A crash
    before the journal is gone rolls forward again and finds every step done;
