@@ -105,6 +105,18 @@ def write_through(stream: Any) -> Any:
     return write
 
 
+ApiKeys = Annotated[Path | None, typer.Option(
+    help="File of accepted API keys, one a line (also: $BRANCHBOX_API_KEY).")]
+
+
+def configured_keys(api_keys: Path | None) -> list[str]:
+    """The API keys a listener accepts: ``$BRANCHBOX_API_KEY``, then the file's lines."""
+    keys = [os.environ["BRANCHBOX_API_KEY"]] if os.environ.get("BRANCHBOX_API_KEY") else []
+    if api_keys is not None:
+        keys += [line.strip() for line in api_keys.read_text().splitlines() if line.strip()]
+    return keys
+
+
 @command()
 def serve(
     data_dir: Annotated[Path, typer.Option(help="Where sandboxes, layers and the socket live.",
@@ -116,8 +128,7 @@ def serve(
     storage: Annotated[Storage | None, typer.Option(
         help="Snapshot backend; default $BRANCHBOX_STORAGE, else auto (btrfs if possible).")]
     = None,
-    api_keys: Annotated[Path | None, typer.Option(
-        help="File of accepted API keys, one a line (also: $BRANCHBOX_API_KEY).")] = None,
+    api_keys: ApiKeys = None,
     max_upload_mb: Annotated[int, typer.Option(help="Largest file upload accepted.")] = 1024,
     internet: Annotated[bool, typer.Option(
         "--internet", help="Egress through NAT for sandboxes that do not say "
@@ -131,11 +142,9 @@ def serve(
 
     if internet:  # read by EngineConfig, like the daemon's other settings
         os.environ["BRANCHBOX_INTERNET"] = "1"
-    keys = [os.environ["BRANCHBOX_API_KEY"]] if os.environ.get("BRANCHBOX_API_KEY") else []
-    if api_keys is not None:
-        keys += [line.strip() for line in api_keys.read_text().splitlines() if line.strip()]
     try:
-        run_server(data_dir, host, port, storage.value if storage else None, api_keys=keys,
+        run_server(data_dir, host, port, storage.value if storage else None,
+                   api_keys=configured_keys(api_keys),
                    max_upload=max_upload_mb << 20,
                    on_listening=(lambda url: emit_json({"listening": url})) if as_json
                    else (lambda url: out.print(f"branchbox listening on {url}")))
@@ -143,6 +152,49 @@ def serve(
         fail(str(exc))
     except KeyboardInterrupt:
         pass  # the server has shut down gracefully already
+
+
+@command()
+def mcp(
+    http: Annotated[str | None, typer.Option(
+        "--http", metavar="HOST:PORT", help="Serve streamable HTTP at http://HOST:PORT/mcp "
+        "instead of stdio; clients need an API key, as for the daemon.")] = None,
+    url: Annotated[str | None, typer.Option(
+        help="The daemon to use (also: $BRANCHBOX_URL); default the local one, started if "
+             "none runs.")] = None,
+    api_keys: ApiKeys = None,
+    data_dir: Annotated[Path, typer.Option(
+        help="With --http and no key configured: the data directory whose generated key "
+             "clients must send.", envvar="BRANCHBOX_DATA_DIR")] = DEFAULT_DATA_DIR,
+) -> None:
+    """Serve branchbox's sandboxes as MCP tools (create, run_code, exec, files, fork, diff,
+    merge_into, commit, close); a session's sandboxes are closed when it ends."""
+    # Imported here: only this command needs the MCP SDK.
+    import anyio
+
+    from branchbox.mcp_server.http import parse_address, serve_http
+    from branchbox.mcp_server.server import build, serve_stdio
+
+    server = build(url)
+    if http is None:
+        anyio.run(serve_stdio, server)
+        return
+    try:
+        host, port = parse_address(http)
+    except ValueError as exc:
+        fail(str(exc))
+    keys = configured_keys(api_keys)
+    if not keys:  # the key a TCP daemon of this data directory makes and accepts
+        from branchbox.server.serve import API_KEY_FILE, generated_api_key
+
+        data_dir.mkdir(parents=True, exist_ok=True)
+        keys = [generated_api_key(data_dir / API_KEY_FILE)]
+        err.print(f"branchbox mcp: clients must send the API key in {data_dir / API_KEY_FILE}")
+    try:
+        anyio.run(serve_http, server, host, port, keys,
+                  lambda address: err.print(f"branchbox mcp listening on {address}"))
+    except OSError as exc:
+        fail(f"cannot listen on {http}: {exc}")
 
 
 @command("ls")
