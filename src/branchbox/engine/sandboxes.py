@@ -37,6 +37,7 @@ from branchbox.runtime.cgroups import Limits, SandboxCgroup, favor_dynamic_moves
 from branchbox.runtime.channel import AgentChannel, AgentError, interrupt_repl
 from branchbox.runtime.family import spawn_family
 from branchbox.runtime.signal_guard import SignalGuard
+from branchbox.runtime.thaw_guard import ThawGuard
 from branchbox.storage import workspace_commit
 from branchbox.storage.backend import choose_backend
 from branchbox.storage.images import ImageNotFound, ensure_image
@@ -73,6 +74,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
         self._lineage: dict[str, tuple[str, int]] = {}
         self._generations = itertools.count(1)
         self._unfavor = None
+        self._thaw_guard: ThawGuard | None = None
         self._background: set[asyncio.Task] = set()
         self.ids: IdRanges | None = None  # each family's own host id range
         self._workspace_lowers: dict[tuple[Path, int], WorkspaceLower] = {}
@@ -97,6 +99,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
                                   cfg.internet)
         await self.net.start()
         self._unfavor = favor_dynamic_moves(cfg.data_dir / "run" / "cgroup-favor")
+        self._thaw_guard = ThawGuard(cfg.cgroup_group)  # nothing stays frozen if we die
         self._reap_leftovers()
         self.store = choose_backend(cfg.data_dir, cfg.storage)
         self.layers = Layers(
@@ -146,6 +149,8 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
         self.signal_guard.stop()
         if self._unfavor is not None:
             self._unfavor()
+        if self._thaw_guard is not None:
+            self._thaw_guard.stop()
         if self.ids is not None:
             self.ids.close()
         if self.store is not None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from branchbox.agent import sysc
+from branchbox.runtime import procfs
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 V1_CONTROLLERS = ("memory", "pids", "cpu", "freezer")
@@ -218,9 +219,31 @@ class SandboxCgroup:
             time.sleep(0.0005)
         return True
 
+    def thaw(self) -> None:
+        """Thaw the sandbox and each of its leaves.
+
+        The leaves too: on v1 a leaf frozen by itself (fork freezes the cmds leaf, and its
+        daemon may die before thawing it) keeps its own state when its parent thaws.
+        """
+        for leaf in (None, *LEAVES):
+            with contextlib.suppress(FileNotFoundError):
+                self.freeze(leaf, frozen=False)
+
     def memory_bytes(self) -> int:
         name = "memory.current" if self.version == 2 else "memory.usage_in_bytes"
         return int(self._file("memory", name).read_text())
+
+    def cpu_seconds(self) -> float:
+        """CPU time the sandbox used. v2 counts all that ever ran in it; v1's cpu controller
+        has no counter without cpuacct (a hierarchy of its own), so there it is the time of
+        the processes alive now and of the children they reaped."""
+        if self.version == 2:
+            for line in self._file("cpu", "cpu.stat").read_text().splitlines():
+                name, _, value = line.partition(" ")
+                if name == "usage_usec":
+                    return int(value) / 1e6
+            return 0.0
+        return procfs.cpu_seconds(self.pids())
 
     def pids_current(self) -> int:
         return int(self._file("pids", "pids.current").read_text())
@@ -243,11 +266,7 @@ class SandboxCgroup:
             for pid in self.pids():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-            # Thaw the leaves too: one left frozen by a fork that never finished (its daemon
-            # died) keeps its own state, and frozen processes cannot die.
-            for leaf in (None, *LEAVES):
-                with contextlib.suppress(FileNotFoundError):
-                    self.freeze(leaf, frozen=False)
+            self.thaw()  # frozen processes cannot die
             if not frozen:
                 for pid in self.pids():
                     with contextlib.suppress(ProcessLookupError):
@@ -272,6 +291,19 @@ class SandboxCgroup:
         self.dirs = []
 
 
+def thaw_leftovers(group: str, root: Path = CGROUP_ROOT) -> int:
+    """Thaw every sandbox cgroup of ``group`` an earlier daemon left; return how many.
+
+    A daemon killed inside a fork or a commit leaves that sandbox frozen. Thawing kills
+    nothing, so a daemon that re-attaches to its predecessor's sandboxes can call this
+    before anything else (runtime.thaw_guard calls it the moment a daemon dies).
+    """
+    leftovers = SandboxCgroup.leftovers(group, root)
+    for cg in leftovers:
+        cg.thaw()
+    return len(leftovers)
+
+
 def favor_dynamic_moves(mountpoint: Path) -> Callable[[], None] | None:
     """Make moving processes between cgroups cheap while the daemon runs; returns the undo.
 
@@ -289,16 +321,38 @@ def favor_dynamic_moves(mountpoint: Path) -> Callable[[], None] | None:
         return None
     mountpoint.mkdir(parents=True, exist_ok=True)
     name = "name=bb-" + hashlib.sha256(str(mountpoint).encode()).hexdigest()[:12]
-    try:
-        sysc.mount("cgroup", str(mountpoint), "cgroup", 0, f"none,{name},favordynmods")
-    except OSError:
-        return None
+    # A daemon killed with -9 never unmounted its hierarchy; mounting it again is EBUSY
+    # (measured), so the mount it left is adopted, and unmounted by this daemon's undo.
+    if not _cgroup_mounted_at(mountpoint, name):
+        try:
+            sysc.mount("cgroup", str(mountpoint), "cgroup", 0, f"none,{name},favordynmods")
+        except OSError:
+            return None
 
     def undo() -> None:
-        with contextlib.suppress(OSError):
-            sysc.umount2(str(mountpoint), sysc.MNT_DETACH)
+        while _cgroup_mounted_at(mountpoint, name):
+            try:
+                sysc.umount2(str(mountpoint), sysc.MNT_DETACH)
+            except OSError:
+                return
 
     return undo
+
+
+def _cgroup_mounted_at(mountpoint: Path, name: str,
+                       mountinfo: Path = Path("/proc/self/mountinfo")) -> bool:
+    """Whether the v1 hierarchy ``name`` (``name=...``) is mounted at ``mountpoint``."""
+    where = os.fsencode(os.path.realpath(mountpoint))
+    for char, escaped in ((b"\\", b"\\134"), (b" ", b"\\040"), (b"\t", b"\\011"),
+                          (b"\n", b"\\012")):
+        where = where.replace(char, escaped)  # as mountinfo writes them
+    for line in mountinfo.read_bytes().splitlines():
+        fields = line.split(b" ")
+        sep = fields.index(b"-")
+        if (fields[4] == where and fields[sep + 1] == b"cgroup"
+                and name.encode() in fields[sep + 3].split(b",")):
+            return True
+    return False
 
 
 def _rmdir_retry(path: Path) -> None:

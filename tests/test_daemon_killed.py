@@ -1,0 +1,83 @@
+"""A daemon killed with -9 (issue 16, finding 7) leaves nothing frozen and nothing mounted twice.
+
+Against real ``branchbox serve`` processes. The commit path's fault injection
+(``BRANCHBOX_COMMIT_FAULT``) makes the daemon SIGKILL itself mid-commit, while the
+sandbox is frozen (on the copy backend commit reads the live layer, so the whole
+sandbox stays frozen for it): the sandbox must be thawed without any daemon running,
+and a daemon started again on the same data directory must use, and on its stop
+remove, the one cgroup hierarchy mount its predecessor left.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from served import ServedDaemon
+
+from branchbox import Sandbox, SandboxError
+from branchbox.engine.config import EngineConfig
+from branchbox.runtime.cgroups import SandboxCgroup
+from branchbox.storage.journal import FAULT_ENV
+
+
+def frozen_cgroups(group: str) -> list[str]:
+    """The cgroup directories of ``group`` (sandboxes and their leaves) that are frozen."""
+    frozen = []
+    for cg in SandboxCgroup.leftovers(group):
+        for d in cg.dirs:
+            for where in (d, d / "repl", d / "cmds"):
+                v1, v2 = where / "freezer.state", where / "cgroup.events"
+                if (v1.exists() and v1.read_text().strip() != "THAWED"
+                        or v2.exists() and "frozen 1" in v2.read_text()):
+                    frozen.append(str(where))
+    return frozen
+
+
+def mounts_under(path: Path) -> list[str]:
+    return [line for line in Path("/proc/self/mountinfo").read_text().splitlines()
+            if f" {path}/" in line]
+
+
+@pytest.fixture
+def workspace() -> Iterator[Path]:
+    ws = Path(tempfile.mkdtemp(prefix="branchbox-test-ws-"))
+    ws.chmod(0o755)
+    yield ws
+    shutil.rmtree(ws, ignore_errors=True)
+
+
+def test_a_daemon_killed_inside_a_commit_leaves_nothing_frozen(workspace: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
+    env["BRANCHBOX_API_KEY"] = "kill9-test-key"
+    daemon = ServedDaemon("kill9", {**env, FAULT_ENV: "staged"})
+    group = EngineConfig(data_dir=daemon.data_dir).cgroup_group
+    restarted = None
+    try:
+        sb = Sandbox(url=daemon.url, api_key="kill9-test-key", workspace=workspace)
+        assert sb.exec(f"echo new > {workspace}/file").exit_code == 0
+        with pytest.raises(SandboxError):
+            sb.commit()  # the daemon kills itself inside it
+        assert daemon.proc.wait(30) == -9, daemon.log.read_text()
+        assert SandboxCgroup.leftovers(group), "the killed daemon's sandbox should still exist"
+        deadline = time.monotonic() + 10
+        while (frozen := frozen_cgroups(group)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not frozen, f"frozen after the daemon died: {frozen}"
+
+        # One hierarchy mount was left by the dead daemon; the new one uses it (mounting
+        # again is EBUSY) and removes it on its graceful stop.
+        assert len(mounts_under(daemon.data_dir)) == 1, mounts_under(daemon.data_dir)
+        restarted = ServedDaemon("kill9", env, data_dir=daemon.data_dir)
+        assert len(mounts_under(daemon.data_dir)) == 1, mounts_under(daemon.data_dir)
+    finally:
+        if daemon.proc.poll() is None:  # failed before the kill
+            daemon.stop()
+        else:  # reap what the killed daemon left
+            (restarted or ServedDaemon("kill9", env, data_dir=daemon.data_dir)).stop()
+    assert not mounts_under(daemon.data_dir), mounts_under(daemon.data_dir)
