@@ -83,7 +83,7 @@ KNOWN_IMAGES: dict[str, ImageSpec] = {
         ),
         venv="/opt/venv",
         pip_packages=("numpy", "pandas", "matplotlib", "scipy", "requests", "pytest"),
-        version=2,
+        version=3,
     ),
 }
 
@@ -460,10 +460,33 @@ def _finish_rootfs(root: Path) -> None:
     (root / "tmp").chmod(0o1777)
     (root / "root").mkdir(exist_ok=True)
     (root / "root").chmod(0o700)
+    _add_user(root, "user", 1000)
     (root / "etc" / "hostname").write_text("sandbox\n")
     (root / "etc" / "hosts").write_text(
         "127.0.0.1\tlocalhost\n127.0.1.1\tsandbox\n::1\tlocalhost ip6-localhost ip6-loopback\n"
     )
+
+
+def _add_user(root: Path, name: str, uid: int) -> None:
+    """An ordinary account with a home, as E2B's templates have (``user``, ``/home/user``):
+    examples written for E2B use that path and name. Written into the account files
+    directly: useradd would have to run inside the tree."""
+    etc = root / "etc"
+    home = root / "home" / name
+    with open(etc / "passwd", "a") as f:
+        f.write(f"{name}:x:{uid}:{uid}::/home/{name}:/bin/bash\n")
+    with open(etc / "group", "a") as f:
+        f.write(f"{name}:x:{uid}:\n")
+    with open(etc / "shadow", "a") as f:
+        f.write(f"{name}:!:19000:0:99999:7:::\n")
+    home.mkdir(parents=True, exist_ok=True)
+    for dotfile in (".bashrc", ".profile"):
+        skeleton = etc / "skel" / dotfile
+        if skeleton.is_file():
+            (home / dotfile).write_bytes(skeleton.read_bytes())
+    for path in (home, *home.iterdir()):
+        os.chown(path, uid, uid)
+    home.chmod(0o755)
 
 
 def _python_version(root: Path) -> str | None:
