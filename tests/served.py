@@ -11,10 +11,23 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
+
+
+def wait_started(proc: subprocess.Popen, ready: Callable[[], bool], stop: Callable[[], None],
+                 what: str, log: Path, within: float = 120) -> None:
+    """Return once ``ready()``; fail with ``log`` if ``proc`` exits or ``within`` s pass."""
+    deadline = time.monotonic() + within
+    while not ready():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            output = log.read_text(errors="replace")  # before stop(), which may remove it
+            stop()
+            pytest.fail(f"{what} did not start:\n{output}")
+        time.sleep(0.1)
 
 
 class ServedDaemon:
@@ -39,12 +52,7 @@ class ServedDaemon:
                 [sys.executable, "-m", "branchbox", "serve", "--host", "127.0.0.1", "--port",
                  str(port), "--data-dir", str(self.data_dir), "--storage", "copy", *extra],
                 env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
-        while not self._healthy():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                pytest.fail(f"the daemon did not start:\n{self.log.read_text()}")
-            time.sleep(0.1)
+        wait_started(self.proc, self._healthy, self.stop, "the daemon", self.log)
 
     def _healthy(self) -> bool:
         try:

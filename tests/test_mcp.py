@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
@@ -25,7 +24,7 @@ import pytest
 from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from mcp_types import CallToolResult, ImageContent, TextContent
-from served import ServedDaemon
+from served import ServedDaemon, wait_started
 
 KEY = "mcp-test-key"
 MISSING = "sbx_" + "0" * 32
@@ -76,12 +75,7 @@ class McpHttp:
                 [sys.executable, "-m", "branchbox", "mcp", "--http", f"127.0.0.1:{self.port}"],
                 env=server_env(daemon), stdin=subprocess.DEVNULL, stdout=out,
                 stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while not self._listening():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                pytest.fail(f"branchbox mcp --http did not start:\n{self.output()}")
-            time.sleep(0.1)
+        wait_started(self.proc, self._listening, self.stop, "branchbox mcp --http", self.log)
 
     def _listening(self) -> bool:
         with socket.socket() as probe:
