@@ -1,7 +1,9 @@
 """``branchbox speculate``, ``best-of-n`` and ``reflexion`` end to end: the real CLI against a
 real daemon, on a small git repository whose pytest suite decides which fix is right.
 
-The repository carries nothing but its code and tests: pytest comes from the default image.
+The repository carries nothing but its code and tests. The branches run on image "host" (the
+default of these commands): pytest and the package the tests import come from this host's own
+virtualenv (its interpreter under a home directory), installed in no image and vendored nowhere.
 """
 
 from __future__ import annotations
@@ -15,14 +17,22 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_sdk_sandbox import connected, daemon, make_data_dir  # noqa: F401 - fixtures, shared
+from test_sdk_sandbox import connected, make_data_dir, serve_daemon  # noqa: F401 - fixture
 
 # The CLI finds the daemon through $BRANCHBOX_URL and $BRANCHBOX_API_KEY, as a user's would.
 pytestmark = pytest.mark.usefixtures("connected")
 
 BUGGY = "def add(a, b):\n    return a - b\n"
-TESTS = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
-PYTEST = "PYTHONDONTWRITEBYTECODE=1 python3 -m pytest -q -p no:cacheprovider"
+# httpx: in this host's virtualenv (a branchbox dependency), in no image.
+TESTS = ("import httpx\nfrom calc import add\n\n\ndef test_add():\n"
+         "    assert httpx.URL('http://x/').host == 'x'\n    assert add(2, 3) == 5\n")
+PYTEST = f"PYTHONDONTWRITEBYTECODE=1 {sys.executable} -m pytest -q -p no:cacheprovider"
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[str]:
+    """A daemon on the btrfs store: image "host" needs a store off the host's root."""
+    yield from serve_daemon("btrfs")
 
 
 def fix(body: str) -> str:
@@ -57,7 +67,7 @@ def branchbox(*args: str, cwd: Path | None = None) -> subprocess.CompletedProces
 
 def test_speculate_commits_the_first_passing_fix(repo) -> None:
     done = branchbox("speculate", "-c", f"{fix('a * b')} && {PYTEST}",
-                     "-c", f"sleep 1; {fix('a + b')} && touch fixed-b && {PYTEST}",
+                     "-c", f"sleep 4; {fix('a + b')} && touch fixed-b && {PYTEST}",
                      "-c", f"{fix('b + a')} && sleep 60 && {PYTEST}", cwd=repo)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
@@ -67,6 +77,14 @@ def test_speculate_commits_the_first_passing_fix(repo) -> None:
     ]
     assert (repo / "calc.py").read_text() == "def add(a, b):\n    return a + b\n"
     assert git(repo, "status", "--porcelain").split() == ["M", "calc.py", "??", "fixed-b"]
+
+
+def test_the_fix_passes_only_with_the_hosts_toolchain(repo) -> None:
+    # The same passing fix on the default image: this host's interpreter is not there.
+    done = branchbox("speculate", "-C", str(repo), "--image", "default", "--json",
+                     "-c", f"{fix('a + b')} && {PYTEST}")
+    assert done.returncode == 1, done.stdout
+    assert json.loads(done.stdout)["candidates"][0]["exit_code"] == 127
 
 
 def test_speculate_without_a_passing_fix_leaves_the_repository(repo) -> None:

@@ -68,6 +68,12 @@ def wait_until_healthy(sock: Path, proc_alive: object, log: Path) -> None:
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[str]:
     """The URL of a daemon that wants API_KEY."""
+    yield from serve_daemon("copy")
+
+
+def serve_daemon(storage: str) -> Iterator[str]:
+    """Start ``branchbox serve`` with store ``storage`` in a fresh data directory, yield its
+    URL, stop it (it must exit cleanly) and remove the directory."""
     if os.geteuid() != 0:
         pytest.fail("the SDK tests need root: the daemon makes namespaces, cgroups and mounts")
     data_dir = make_data_dir("sdk-test")
@@ -75,7 +81,7 @@ def daemon() -> Iterator[str]:
     env = {**os.environ, "BRANCHBOX_API_KEY": API_KEY}
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "branchbox", "serve", "--data-dir",
-                                 str(data_dir), "--storage", "copy"], env=env, stdout=out,
+                                 str(data_dir), "--storage", storage], env=env, stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     sock = data_dir / "branchbox.sock"
     try:

@@ -133,15 +133,28 @@ def serve(
     internet: Annotated[bool, typer.Option(
         "--internet", help="Egress through NAT for sandboxes that do not say "
                            "(also: $BRANCHBOX_INTERNET=1).")] = False,
+    host_deny: Annotated[list[str] | None, typer.Option(
+        "--host-deny", metavar="PATH", help="A host path (glob, or ~/PATH for every home) "
+        "image 'host' hides, beyond its default deny list; repeat for more.")] = None,
+    host_deny_file: Annotated[Path | None, typer.Option(
+        help="A file of such paths, one a line (# comments).")] = None,
     as_json: Json = False,
 ) -> None:
     """Run the daemon until SIGINT or SIGTERM (which close every sandbox)."""
     # Imported here: the other commands need neither FastAPI nor the engine.
     from branchbox.server.serve import ServeError
     from branchbox.server.serve import serve as run_server
+    from branchbox.storage.host_mask import check_pattern, read_deny_file
 
     if internet:  # read by EngineConfig, like the daemon's other settings
         os.environ["BRANCHBOX_INTERNET"] = "1"
+    try:
+        deny = [check_pattern(p) for p in host_deny or []]
+        deny += read_deny_file(host_deny_file) if host_deny_file else []
+    except (OSError, ValueError) as exc:
+        fail(str(exc))
+    if deny:
+        os.environ["BRANCHBOX_HOST_DENY"] = os.pathsep.join(deny)
     try:
         run_server(data_dir, host, port, storage.value if storage else None,
                    api_keys=configured_keys(api_keys),
@@ -354,6 +367,9 @@ Directory = Annotated[Path, typer.Option(
 PatternTimeoutOption = Annotated[float | None, typer.Option(
     "--timeout", help="Stop every candidate after this many seconds in all; the directory "
                       "is then left unchanged.")]
+PatternImage = Annotated[str, typer.Option(
+    "--image", help="Image of the branches: 'host' (the default) runs the directory's own "
+                    "toolchain, venv and tools as on the host; or any image name.")]
 Cmd = Annotated[list[str], typer.Argument(
     help="The command after `--`: one argument is run by bash (quote it for `&&` and "
          "pipes), several are the argv.", show_default=False)]
@@ -388,12 +404,12 @@ def letters(index: int) -> str:
 
 
 def branch_out(root: str, as_json: bool, label: Callable[[int], str],
-               pattern: Callable[[Sandbox], Outcome]) -> None:
+               pattern: Callable[[Sandbox], Outcome], image: str = "host") -> None:
     """Run ``pattern`` in a sandbox whose workspace is the directory ``root``, commit its
     winner there, and report every candidate; exit 1 when nothing was committed."""
     committed: dict | None = None
     timed_out = False
-    with Sandbox(workspace=root, cwd=root) as sandbox:
+    with Sandbox(image, workspace=root, cwd=root) as sandbox:
         try:
             outcome = pattern(sandbox)
         except PatternTimeout as exc:
@@ -459,6 +475,7 @@ def speculate_command(
                             "one candidate each).", show_default=False)],
     directory: Directory = Path("."),
     timeout: PatternTimeoutOption = None,
+    image: PatternImage = "host",
     as_json: Json = False,
 ) -> None:
     """Race commands in branches of a directory; the first that exits 0 is committed into it.
@@ -469,7 +486,7 @@ def speculate_command(
     root = str(directory.resolve())
     candidates = [lambda child, index, script=c: bash(child, root, script) for c in cmd]
     branch_out(root, as_json, lambda i: f"fix-{letters(i)}", lambda sb: speculate(
-        sb, candidates, success=exited_zero, timeout=timeout))
+        sb, candidates, success=exited_zero, timeout=timeout), image)
 
 
 @command("best-of-n")
@@ -478,6 +495,7 @@ def best_of_n_command(
     n: Annotated[int, typer.Option("-n", "--n", help="How many attempts.")] = 3,
     directory: Directory = Path("."),
     timeout: PatternTimeoutOption = None,
+    image: PatternImage = "host",
     as_json: Json = False,
 ) -> None:
     """Run a command N times at once in branches of a directory; commit the best-scoring one.
@@ -501,7 +519,7 @@ def best_of_n_command(
         return float(lines[-1])
 
     branch_out(root, as_json, lambda i: f"attempt-{i}",
-               lambda sb: best_of_n(sb, n, task=attempt, score=score, timeout=timeout))
+               lambda sb: best_of_n(sb, n, task=attempt, score=score, timeout=timeout), image)
 
 
 @command("reflexion")
@@ -513,6 +531,7 @@ def reflexion_command(
              "feedback (default: the failed command's own output).")] = None,
     directory: Directory = Path("."),
     timeout: PatternTimeoutOption = None,
+    image: PatternImage = "host",
     as_json: Json = False,
 ) -> None:
     """Retry a command in fresh branches of a directory until it exits 0; commit that one.
@@ -532,7 +551,7 @@ def reflexion_command(
 
     branch_out(root, as_json, lambda i: f"attempt-{i}", lambda sb: reflexion(
         sb, task=attempt, success=exited_zero, critique=review, retries=retries,
-        timeout=timeout))
+        timeout=timeout), image)
 
 
 image_app = typer.Typer(no_args_is_help=True, help="Images sandboxes start from.")

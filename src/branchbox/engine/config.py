@@ -46,6 +46,10 @@ class EngineConfig:
     # Egress for sandboxes that do not say (``branchbox serve --internet``).
     internet: bool = field(
         default_factory=lambda: os.environ.get("BRANCHBOX_INTERNET", "") in ("1", "true"))
+    # Host paths image "host" hides beyond its default deny list (storage/host_mask.py):
+    # ``branchbox serve --host-deny``, or $BRANCHBOX_HOST_DENY (entries joined by ':').
+    host_deny: list[str] = field(default_factory=lambda: [
+        p for p in os.environ.get("BRANCHBOX_HOST_DENY", "").split(os.pathsep) if p])
     # The sandboxes' subnet; None: the first free /16 from 10.89.0.0 (runtime.network).
     subnet: str | None = field(default_factory=lambda: os.environ.get("BRANCHBOX_SUBNET"))
 

@@ -37,6 +37,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from branchbox.engine.host_image import HOST_ROOT
 from branchbox.runtime import rootfs
 from branchbox.storage.idmap import (
     SLOTS,
@@ -101,12 +102,14 @@ class IdRange:
 
     def lower(self, path: Path) -> Path | int:
         """What an overlay stacks for base layer ``path``: a layer stored in the images'
-        range as an id-mapped mount shown in this family's range (one per slot and
-        layer, shared by every root stacked on it), anything else as it is."""
+        range, or the host's root, as an id-mapped mount shown in this family's range (one
+        per slot and layer, shared by every root stacked on it), anything else as it is."""
         got = self._maps.lowers.get(path)
         if got is None:
             got = path
-            if UID_BASE <= os.stat(path).st_uid < UID_BASE + UID_COUNT:
+            if path == HOST_ROOT:  # image "host": host ids 0.. shown as the family's
+                got = self.host_tree(path)
+            elif UID_BASE <= os.stat(path).st_uid < UID_BASE + UID_COUNT:
                 got = rootfs.idmapped_tree(path, self._ranges.userns(self._maps, "image"))
             self._maps.lowers[path] = got
         return got

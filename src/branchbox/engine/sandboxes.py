@@ -21,6 +21,7 @@ from branchbox.agent.protocol import ChannelClosed
 from branchbox.engine import errors
 from branchbox.engine.branching import Branching
 from branchbox.engine.config import EngineConfig
+from branchbox.engine.host_image import HOST, HostImage, HostImageUnavailable
 from branchbox.engine.idranges import IdRanges
 from branchbox.engine.images import SavedImages
 from branchbox.engine.layers import (
@@ -83,6 +84,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
         self._refilling: dict[str, asyncio.Task] = {}
         self._stopping = False
         self.net: SandboxNetwork | None = None
+        self.host_image: HostImage | None = None
         self.signal_guard = SignalGuard()
 
     # ----------------------------------------------------------------- lifecycle
@@ -115,6 +117,8 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
         # The store is empty now: no file of an earlier family's range is left in a layer.
         self.ids.recover({rec.family for rec in self.records.live()})
         self.agent_layer = rootfs.prepare_agent_layer(cfg.data_dir / "agent-layer")
+        self.host_image = HostImage(cfg.host_deny, [cfg.data_dir, cfg.image_cache],
+                                    self.store.root, self.agent_layer)
         for host in self.records.pending_commits():  # the daemon died inside a commit
             outcome = workspace_commit.recover(host)
             log.warning("commit into %s interrupted by a crash: %s", host, outcome)
@@ -153,6 +157,8 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
             self._thaw_guard.stop()
         if self.ids is not None:
             self.ids.close()
+        if self.host_image is not None:
+            self.host_image.close()
         if self.store is not None:
             self.store.close()
         if self.records is not None:
@@ -199,6 +205,11 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
 
     # ------------------------------------------------------------------- create
     async def _base_layers(self, image: str) -> list[Path]:
+        if image == HOST and image not in self._base_cache:
+            try:
+                self._base_cache[image] = await asyncio.to_thread(self.host_image.layers)
+            except HostImageUnavailable as exc:
+                raise errors.InvalidRequest(str(exc)) from None
         if image not in self._base_cache and (saved := self._saved_lowers(image)) is not None:
             self._base_cache[image] = [self.agent_layer, *saved]  # sb.save_image's
         if image not in self._base_cache:

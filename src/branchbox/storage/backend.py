@@ -22,18 +22,15 @@ from pathlib import Path
 from types import TracebackType
 from typing import Protocol
 
-from branchbox.storage import btrfs, loopback
+from branchbox.storage import btrfs, host_disk, loopback, store_health
 from branchbox.storage.copyfs import CopyBackend, remove_tree
 
 log = logging.getLogger(__name__)
 
 KINDS = ("auto", "btrfs", "copy")
-DEFAULT_IMAGE_SIZE = 64 << 30  # apparent size; the file is sparse and grows as used
-# A new image is at most this share of the host's free space, so the sparse file
-# cannot promise sandboxes more than the host has (issue 16: a store that outgrows the
-# host aborts its btrfs transaction and goes read-only for everyone).
-IMAGE_SHARE_OF_FREE = 0.9
-MIN_IMAGE_SIZE = 256 << 20  # below this mkfs.btrfs and a few sandboxes do not fit
+# The most a store image grows to; the file is sparse, and its size follows the host's
+# free space (storage.host_disk), so it never promises sandboxes more than the host has.
+DEFAULT_IMAGE_SIZE = 64 << 30
 
 COPY_NO_QUOTA = (
     "the copy storage backend cannot enforce disk_mb: its volumes are plain directories, "
@@ -155,10 +152,11 @@ def choose_backend(
     - ``"copy"``: plain directories under ``data_dir/volumes``.
     - ``"btrfs"``: subvolumes under ``data_dir/volumes`` if ``data_dir`` is on
       btrfs; otherwise under ``data_dir/store/volumes``, where ``store`` is
-      the btrfs image ``data_dir/store.img`` (created sparse, ``image_size``
-      bytes but at most 90% of the host's free space, on first use; reused
-      after) loop-mounted, with simple quotas on. Raises
-      BackendUnavailable, saying what is missing, when neither works.
+      the btrfs image ``data_dir/store.img`` (created sparse on first use,
+      reused after) loop-mounted, with simple quotas on. Its size follows the
+      host's free space, up to ``image_size`` (see storage.host_disk). Raises
+      BackendUnavailable, saying what is missing, when neither works, and
+      StoreUnhealthy (never falling back) for a store that aborted or failed.
     - ``"auto"``: ``"btrfs"`` if possible, else ``"copy"`` with a warning.
 
     A loop-mounted store belongs to one Store at a time (StoreBusy otherwise):
@@ -219,15 +217,16 @@ def _host_btrfs_store(data_dir: Path) -> Store:
 
 
 def bounded_image_size(data_dir: Path, wanted: int) -> int:
-    """``wanted`` bytes, or less: at most IMAGE_SHARE_OF_FREE of the free space of the
-    host filesystem holding ``data_dir``. Raises BackendUnavailable below MIN_IMAGE_SIZE."""
-    st = os.statvfs(data_dir)
-    free = st.f_bavail * st.f_frsize
-    size = min(wanted, int(free * IMAGE_SHARE_OF_FREE)) >> 20 << 20
-    if size < MIN_IMAGE_SIZE:
+    """``wanted`` bytes, or less: no more than the free space of the host filesystem
+    holding ``data_dir`` less its reserve. Raises BackendUnavailable below
+    host_disk.MIN_STORE_SIZE."""
+    free = host_disk.host_free(data_dir)
+    size = max(0, min(wanted, free - host_disk.host_reserve(data_dir))) >> 20 << 20
+    if size < host_disk.MIN_STORE_SIZE:
         raise BackendUnavailable(
             f"only {free >> 20} MiB free under {data_dir}: a btrfs store needs at least "
-            f"{MIN_IMAGE_SIZE >> 20} MiB"
+            f"{host_disk.MIN_STORE_SIZE >> 20} MiB beside the host's reserve of "
+            f"{host_disk.host_reserve(data_dir) >> 20} MiB"
         )
     log.info(
         "creating the btrfs store image in %s: %d MiB (asked %d MiB; the host has %d MiB free)",
@@ -264,6 +263,15 @@ def _loopback_store(data_dir: Path, image_size: int) -> Store:
     store._teardown.append(lambda: os.close(lock_fd))
     store._teardown.append(lambda: _unmount_store(mountpoint, device))
     try:
+        store_health.check(mountpoint, image)
+        guard = host_disk.HostDiskGuard(image, mountpoint, device, max(image_size,
+                                                                       os.stat(image).st_size))
+        try:
+            guard.fit()  # the host may have less room than when the store last ran
+        except OSError as exc:
+            raise store_health.StoreUnhealthy(exc.strerror) from None
+        guard.start()
+        store._teardown.append(guard.stop)
         store.root.mkdir(exist_ok=True)
         _enable_quota(store, mountpoint)
     except BaseException:
@@ -312,7 +320,9 @@ def _mount_store(image: Path, mountpoint: Path) -> str:
         # No write barriers: the store holds only the layers of live sandboxes, which die
         # with the daemon and which a restarted daemon deletes, and a barrier (a flush of
         # the backing file) is most of what a snapshot costs: 0.6 ms without, 2-3 ms with.
-        return loopback.mount_image(image, mountpoint, "btrfs", "nobarrier")
+        # discard=async: blocks btrfs frees are punched out of the image in the
+        # background, so the image gives the host back what sandboxes deleted.
+        return loopback.mount_image(image, mountpoint, "btrfs", "nobarrier,discard=async")
     except OSError as exc:
         reason = {
             errno.ENODEV: "the kernel has no btrfs support (modprobe btrfs)",

@@ -53,6 +53,15 @@ BTRFS_IOC_FS_INFO = 0x8400941F  # _IOR(0x94, 31, struct btrfs_ioctl_fs_info_args
 _FS_INFO_SIZE = 1024
 _FS_INFO_FSID_AT = 16
 
+# Resizing a device takes btrfs_ioctl_vol_args with name "<devid>:<bytes>" (or ":max").
+BTRFS_IOC_RESIZE = 0x50009403  # _IOW(0x94, 3, struct btrfs_ioctl_vol_args)
+# struct btrfs_ioctl_get_dev_stats is 1032 bytes: {u64 devid; u64 nr_items; u64 flags;
+# u64 values[5]; u64 unused[121]}; values are write, read, flush, corruption, generation.
+BTRFS_IOC_GET_DEV_STATS = 0xC4089434  # _IOWR(0x94, 52, struct btrfs_ioctl_get_dev_stats)
+_DEV_STATS_SIZE = 1032
+DEV_STAT_NAMES = ("write_io_errs", "read_io_errs", "flush_io_errs", "corruption_errs",
+                  "generation_errs")
+
 # The root directory of every subvolume has this inode number; a plain
 # directory never does. It is how `btrfs subvolume show` tells them apart too.
 _SUBVOL_ROOT_INO = 256
@@ -211,6 +220,35 @@ def quota_mode(path: Path | str) -> str:
             return f.read().strip()
     except OSError:
         return "disabled"
+
+
+def resize(path: Path | str, size: int | None, devid: int = 1) -> None:
+    """Resize device ``devid`` of the filesystem holding ``path`` to ``size`` bytes (None:
+    all of the device). Online; shrinking first moves data out of the cut-off end, and
+    fails with ENOSPC when what the filesystem holds does not fit in ``size``."""
+    spec = f"{devid}:{'max' if size is None else size}".encode()
+    args = bytearray(_ARGS_SIZE)
+    args[_V1_NAME_AT : _V1_NAME_AT + len(spec)] = spec
+    fd = _open_dir(path)
+    try:
+        _ioctl(fd, BTRFS_IOC_RESIZE, args, path)
+    finally:
+        os.close(fd)
+
+
+def device_errors(path: Path | str, devid: int = 1) -> dict[str, int]:
+    """The error counters of device ``devid`` of the filesystem holding ``path`` (what
+    ``btrfs device stats`` prints), only those that are not zero. They persist on disk
+    across mounts until reset."""
+    args = bytearray(_DEV_STATS_SIZE)
+    struct.pack_into("=QQQ", args, 0, devid, len(DEV_STAT_NAMES), 0)
+    fd = _open_dir(path)
+    try:
+        _ioctl(fd, BTRFS_IOC_GET_DEV_STATS, args, path)
+    finally:
+        os.close(fd)
+    values = struct.unpack_from(f"={len(DEV_STAT_NAMES)}Q", args, 24)
+    return {name: value for name, value in zip(DEV_STAT_NAMES, values, strict=True) if value}
 
 
 def nested_subvolumes(path: Path | str) -> list[str]:

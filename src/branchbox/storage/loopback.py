@@ -26,6 +26,7 @@ from branchbox.agent import sysc
 LOOP_CONTROL = "/dev/loop-control"
 LOOP_CTL_GET_FREE = 0x4C82
 LOOP_CONFIGURE = 0x4C0A
+LOOP_SET_CAPACITY = 0x4C07
 LO_FLAGS_AUTOCLEAR = 4
 LO_FLAGS_DIRECT_IO = 16
 
@@ -175,6 +176,31 @@ def mounts_under(path: Path, mounts: list[Mount]) -> list[str]:
         m.mountpoint for m in mounts if m.mountpoint == top or m.mountpoint.startswith(top + "/")
     }
     return sorted(inside, key=lambda p: p.count("/"), reverse=True)
+
+
+def superblock_options(target: Path, mountinfo: Path = Path("/proc/self/mountinfo")) -> set[str]:
+    """The filesystem-wide options of the topmost mount at ``target`` (empty: none there).
+
+    These, not the mount's own options, say whether the filesystem itself went
+    read-only: btrfs that aborted a transaction turns its superblock "ro" while the
+    mount still reads "rw".
+    """
+    where = os.path.realpath(target)
+    found: set[str] = set()
+    for line in mountinfo.read_text().splitlines():
+        fields = line.split(" ")
+        if _unescape(fields[4]) == where:
+            found = set(fields[fields.index("-") + 3].split(","))
+    return found
+
+
+def set_capacity(device: str) -> None:
+    """Make loop ``device`` take the current size of its backing file (after a truncate)."""
+    fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(fd, LOOP_SET_CAPACITY)
+    finally:
+        os.close(fd)
 
 
 def mount_image(image: Path, target: Path, fstype: str, data: str | None = None) -> str:

@@ -1,0 +1,175 @@
+"""The host disk under the store (issue 16, finding 1).
+
+A small ext4 filesystem, loop-mounted, stands in for the host disk, and the data
+directory is placed on it. The store is a sparse btrfs image there: when the host
+disk fills up (other users of it, or the store itself), a sandbox's write must fail
+with ENOSPC in that sandbox, and the store must stay writable for everyone, never
+abort; blocks sandboxes free must go back to the host; and a store that did abort
+must be refused with a message saying what to do, not adopted.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from branchbox import Sandbox
+from branchbox.engine.config import EngineConfig
+from branchbox.engine.sandboxes import Engine
+from branchbox.sdk._portal import portal
+from branchbox.server.app import create_app
+from branchbox.storage import host_disk, loopback
+from branchbox.storage.backend import choose_backend
+from branchbox.storage.store_health import StoreUnhealthy
+
+MiB = 1 << 20
+
+
+@contextmanager
+def small_host_disk(mib: int) -> Iterator[Path]:
+    """An empty ext4 filesystem of ``mib`` MiB, mounted; unmounted and removed afterwards."""
+    mkfs = shutil.which("mkfs.ext4")
+    if mkfs is None:
+        pytest.fail("mkfs.ext4 is missing (apt-get install e2fsprogs)")
+    base = Path(tempfile.mkdtemp(prefix="branchbox-test-hostdisk-"))
+    base.chmod(0o755)
+    image, mnt = base / "disk.img", base / "mnt"
+    mnt.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(mib * MiB)
+    subprocess.run([mkfs, "-q", "-F", "-m", "0", str(image)], check=True)
+    device = loopback.mount_image(image, mnt, "ext4")
+    try:
+        mnt.chmod(0o755)
+        yield mnt
+    finally:
+        for inner in loopback.mounts_under(mnt, loopback.current_mounts()):
+            if inner != str(mnt):
+                subprocess.run(["umount", "-l", inner], check=False)
+        loopback.unmount_image(mnt, device)
+        shutil.rmtree(base)
+
+
+def fill_host(host: Path, leave_mib: int) -> None:
+    """Take all but ``leave_mib`` MiB of the host disk's free space (another user of it)."""
+    free = host_disk.host_free(host)
+    fd = os.open(host / "ballast", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, free - leave_mib * MiB)
+    finally:
+        os.close(fd)
+
+
+def write_mib(path: Path, mib: int) -> None:
+    """Write ``mib`` MiB to ``path``, each MiB synced to the disk."""
+    with open(path, "wb") as f:
+        for _ in range(mib):
+            f.write(os.urandom(MiB))
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def wait_for(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_a_host_disk_that_fills_up_gives_enospc_and_the_store_stays_writable() -> None:
+    with small_host_disk(1536) as host, choose_backend(host / "data", "btrfs") as store:
+        volume = store.root / "v"
+        store.backend.create_volume(volume)
+        before = store.capacity()
+        fill_host(host, leave_mib=300)
+        # The store follows the host's free space; what matters is what a writer sees.
+        wait_for(lambda: store.capacity() < before, timeout=20)
+        with pytest.raises(OSError) as caught:
+            write_mib(volume / "big", 1024)
+        assert caught.value.errno == errno.ENOSPC, caught.value
+        (volume / "big").unlink()
+        os.sync()
+        write_mib(volume / "small", 16)  # still read-write once the writer freed its space
+        assert "ro" not in loopback.superblock_options(host / "data" / "store")
+
+
+def test_a_sandbox_that_fills_the_host_disk_gets_enospc_and_no_one_else_is_hurt() -> None:
+    with small_host_disk(1536) as host:
+        data = host / "data"
+        engine = Engine(EngineConfig(data_dir=data, storage="btrfs", disk_mb=0, warm_pool=0))
+        portal.run(engine.start())
+        try:
+            app = create_app(engine)
+            import httpx
+
+            def sandbox() -> Sandbox:
+                return Sandbox(transport=httpx.ASGITransport(app=app))
+
+            with sandbox() as writer, sandbox() as other:
+                fill_host(host, leave_mib=300)
+                wait_for(lambda: engine.store.capacity() < 1 << 30, timeout=20)
+                r = writer.exec("dd if=/dev/zero of=/root/big bs=1M count=1024 conv=fsync 2>&1")
+                assert r.exit_code != 0, r.stdout
+                assert "No space left on device" in r.stdout, r.stdout
+                assert writer.exec("rm /root/big && sync && echo freed").stdout == "freed\n"
+                r = other.exec("dd if=/dev/zero of=/root/ok bs=1M count=16 conv=fsync 2>&1")
+                assert r.exit_code == 0, r.stdout
+                with sandbox() as new:  # create still works
+                    assert new.run_code("1 + 1").text == "2"
+        finally:
+            portal.run(engine.stop())
+        assert not loopback.mounts_under(data, loopback.current_mounts())
+
+
+def test_freed_blocks_go_back_to_the_host() -> None:
+    with small_host_disk(1536) as host, choose_backend(host / "data", "btrfs") as store:
+        image = host / "data" / "store.img"
+        volume = store.root / "v"
+        store.backend.create_volume(volume)
+        write_mib(volume / "f", 400)
+        os.sync()
+        held = host_disk.image_host_bytes(image)
+        store.backend.delete(volume)
+        os.sync()
+        given_back = wait_for(lambda: host_disk.image_host_bytes(image) < held - 300 * MiB,
+                              timeout=60)
+        after = host_disk.image_host_bytes(image)
+        print(f"store image on the host: {held // MiB} MiB with 400 MiB written, "
+              f"{after // MiB} MiB after deleting it")
+        assert given_back, f"the image still takes {after // MiB} MiB (was {held // MiB} MiB)"
+
+
+def test_an_aborted_store_is_refused_with_what_to_do() -> None:
+    with small_host_disk(700) as host:
+        data = host / "data"
+        data.mkdir()
+        image, mountpoint = data / "store.img", data / "store"
+        # A store as an old daemon made it: larger than the host can back.
+        with open(image, "wb") as f:
+            f.truncate(4 << 30)
+        loopback.format_btrfs(image, "branchbox")
+        mountpoint.mkdir()
+        device = loopback.mount_image(image, mountpoint, "btrfs", "nobarrier")
+        try:
+            with pytest.raises(OSError):
+                write_mib(mountpoint / "big", 1024)  # the host disk fills under it
+            os.sync()
+            assert wait_for(lambda: "ro" in loopback.superblock_options(mountpoint), 10), \
+                "the host disk filling up under the store should have aborted it"
+            (image.parent / "unused").touch()  # the host itself is writable again
+            with pytest.raises(StoreUnhealthy, match=r"read-only.*rm .*store\.img"):
+                choose_backend(data, "btrfs")
+        finally:
+            if loopback.mount_at(mountpoint, loopback.current_mounts()) is not None:
+                loopback.unmount_image(mountpoint, device)
