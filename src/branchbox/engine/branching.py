@@ -32,6 +32,8 @@ from branchbox.storage import layerdiff
 # Frozen layers a root may stack before a fork squashes them into one.
 MAX_CHAIN = 16
 DEFAULT_DIFF_PATHS = ("/root", "/tmp")
+# Seconds a failed fork gives the REPL to leave its fork batch (it may be the reason).
+_LEAVE_BATCH = 5.0
 
 
 class Branching:
@@ -42,13 +44,19 @@ class Branching:
             raise errors.InvalidRequest(f"n must be between 1 and {self.config.max_fork}")
         parent = self.get(sandbox_id)
         await self._acquire(parent, self.config.busy_wait)
+        deadline = self.config.fork_deadline
         try:
             channel = self._check_alive(parent)
-            return await self._fork_locked(parent, channel, n)
+            async with asyncio.timeout(deadline):  # the parent is frozen and locked meanwhile
+                return await self._fork_locked(parent, channel, n)
+        except TimeoutError:
+            raise errors.SandboxTimeout(
+                f"fork of {sandbox_id} did not finish within {deadline:g} s (its REPL did not "
+                "answer); no child was made and its commands run again") from None
         except FreezeFailed as exc:  # no frozen instant to fork from: nothing was made
             raise errors.Conflict(f"fork failed: {exc}") from None
         finally:
-            parent.lock.release()
+            self._unlock(parent)  # once the REPL is done with the requests given up on
 
     async def _fork_locked(self, parent: Live, channel: AgentChannel, n: int) -> list[Live]:
         """Pipelined: the REPL forks child k as soon as its slot arrives, so child k sets
@@ -104,9 +112,9 @@ class Branching:
             for coro in [*pending, *hellos]:
                 if asyncio.iscoroutine(coro):
                     coro.close()
-            if batch_open:  # let the REPL leave its fork batch
-                with contextlib.suppress(AgentError, ChannelClosed, OSError):
-                    await channel.call("fork")
+            if batch_open:  # let the REPL leave its fork batch (if it answers at all)
+                with contextlib.suppress(AgentError, ChannelClosed, OSError, TimeoutError):
+                    await asyncio.wait_for(channel.call("fork"), _LEAVE_BATCH)
             for _, body in made:
                 await self._destroy_body(body)
             if isinstance(exc, AgentError):
@@ -129,15 +137,25 @@ class Branching:
                 instance=body.key,
                 image=parent.record.image,
                 parent_id=parent.id,
-                meta={**parent.record.meta, "timeout": None},
+                meta=dict(parent.record.meta),
             )
             child = Live(record, body, parent.family, forked_at=parent.generation)
             self._lineage[sid] = (parent.id, parent.generation)
             parent.family.members.add(sid)
-            self._adopt(child, None)
+            self._adopt_child(parent, child)
             children.append(child)
         self.net.refill()  # leases for the next fork, off its path
         return children
+
+    def _adopt_child(self, parent: Live, child: Live) -> None:
+        """A child lives by its parent's policy: it is closed when the parent's timeout
+        runs out (the same instant, not a fresh period) and after the parent's idle
+        timeout without use, so a family whose client is gone is reclaimed."""
+        loop = asyncio.get_running_loop()
+        left = None if parent.timer is None else max(parent.timer.when() - loop.time(), 1e-3)
+        self._adopt(child, left)
+        if idle := parent.record.meta.get("idle_timeout"):
+            self._close_when_idle(child, idle)
 
     async def _networked(self, hello, body: Body, took: list[float]) -> dict:
         """The child's hello, then at once its network (while the REPL forks the next

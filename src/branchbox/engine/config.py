@@ -38,7 +38,13 @@ class EngineConfig:
         default_factory=lambda: int(os.environ.get("BRANCHBOX_DISK_MB", str(DEFAULT_DISK_MB)))
     )
     pids_max: int = 1024
-    busy_wait: float = 30.0  # how long a fork waits for a busy REPL before 409
+    # How long a call waits for a sandbox busy with another before 409 (nothing waits on
+    # a sandbox's lock without a bound).
+    busy_wait: float = field(
+        default_factory=lambda: float(os.environ.get("BRANCHBOX_BUSY_WAIT", "30")))
+    # The longest a fork may hold its parent frozen and locked before it is undone (504).
+    fork_deadline: float = field(
+        default_factory=lambda: float(os.environ.get("BRANCHBOX_FORK_DEADLINE", "60")))
     spawn_timeout: float = 60.0
     # Sandboxes kept started per image, so that create hands one out in milliseconds.
     warm_pool: int = field(default_factory=lambda: int(os.environ.get("BRANCHBOX_WARM_POOL", "2")))

@@ -40,6 +40,7 @@ class Body:
     cgroup: SandboxCgroup
     channel: AgentChannel | None = None
     repl_host: int | None = None  # the REPL's host pid, once a fork has looked it up
+    stopped: str | None = None  # why the daemon killed its processes (engine.run_guard)
 
 
 @dataclass(eq=False)

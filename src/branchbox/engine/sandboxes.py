@@ -31,6 +31,7 @@ from branchbox.engine.layers import (
 from branchbox.engine.live import Body, FamilyHandle, Live, new_id
 from branchbox.engine.networking import SandboxNetwork
 from branchbox.engine.records import Records, SandboxRecord
+from branchbox.engine.run_guard import RunDeadline, acquire, release_when_quiet, until_gone
 from branchbox.engine.warm import WarmPool
 from branchbox.engine.workspaces import Workspaces
 from branchbox.runtime import rootfs
@@ -265,6 +266,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
                 raise errors.InvalidRequest(f"{name} must be between 0 and 604800 seconds")
         self._check_disk_mb(disk_mb)
         meta = {"cwd": cwd, "memory_mb": memory_mb, "timeout": timeout, "disk_mb": disk_mb,
+                "idle_timeout": idle_timeout,  # fork children inherit it
                 "workspace": str(host) if host else None, "network": policy}
         sb = self._take_warm(image)
         if sb is not None:  # a warm sandbox: give it this request's settings
@@ -475,7 +477,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
     async def _acquire(self, sb: Live, wait: float | None) -> None:
         sb.last_used = time.monotonic()  # runs, files, fork, merge: use, for the idle timeout
         try:
-            await asyncio.wait_for(sb.lock.acquire(), wait)
+            await acquire(sb.lock, wait)
         except TimeoutError:
             raise errors.Conflict(
                 f"sandbox {sb.id} is busy: its REPL is still running a "
@@ -485,8 +487,8 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
     def _check_alive(self, sb: Live) -> AgentChannel:
         if sb.record.state == "gone" or sb.body.channel.closed.is_set():
             raise errors.ReplGone(
-                f"the REPL of sandbox {sb.id} is gone (it exited or was killed); close the sandbox"
-            )
+                f"sandbox {sb.id}: {sb.body.stopped}" if sb.body.stopped else
+                f"the REPL of sandbox {sb.id} is gone (it exited or was killed); close the sandbox")
         return sb.body.channel
 
     async def stream(
@@ -497,10 +499,13 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
         sb.last_used = time.monotonic()
         locked = op not in _LOCK_FREE_OPS
         if locked:
-            await self._acquire(sb, None)
+            await self._acquire(sb, self.config.busy_wait)
+        deadline = None
         try:
             channel = self._check_alive(sb)
-            events = channel.stream(op, args, payload)
+            if op == "run_code":
+                deadline = RunDeadline(sb.body, (args or {}).get("timeout"), self._track)
+            events = until_gone(channel.stream(op, args, payload))
             try:
                 async for item in events:
                     yield item
@@ -509,13 +514,31 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
         except AgentError as exc:
             raise errors.AGENT_ERRORS.get(exc.kind, errors.EngineError)(exc.message) from None
         except ChannelClosed:
+            if sb.body.stopped:
+                raise errors.SandboxTimeout(f"sandbox {sandbox_id}: {sb.body.stopped}") from None
             raise errors.ReplGone(
                 f"the REPL of sandbox {sandbox_id} died during {op!r}; close the sandbox"
             ) from None
         finally:
+            if deadline is not None:
+                deadline.cancel()
             sb.last_used = time.monotonic()  # the end of a long run is use, for idle
             if locked:
-                sb.lock.release()
+                self._unlock(sb)
+
+    def _unlock(self, sb: Live) -> None:
+        """Release ``sb``'s lock now, or once its REPL has finished the calls abandoned on
+        it (engine.run_guard): until then the next caller is told the sandbox is busy."""
+        if sb.body.channel is None or not sb.body.channel.orphans():
+            sb.lock.release()
+        else:
+            self._track(asyncio.get_running_loop().create_task(
+                release_when_quiet(sb.lock, sb.body)))
+
+    def _track(self, task: asyncio.Task) -> None:
+        """Keep a background task until it ends (stop() waits for them)."""
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def call(
         self, sandbox_id: str, op: str, args: dict | None = None, payload: bytes = b""
@@ -531,7 +554,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
     ) -> dict:
         """Stream an upload into the sandbox frame by frame (never whole in memory)."""
         sb = self.get(sandbox_id)
-        await self._acquire(sb, None)
+        await self._acquire(sb, self.config.busy_wait)
         try:
             channel = self._check_alive(sb)
             rid, queue = channel.open_request()
@@ -564,7 +587,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
         except ChannelClosed:
             raise errors.ReplGone(f"the REPL of sandbox {sandbox_id} died during a write") from None
         finally:
-            sb.lock.release()
+            self._unlock(sb)
 
 def _raise_fd_limit() -> None:
     """Every live sandbox holds a control socket in the daemon: a thousand children of

@@ -103,6 +103,7 @@ class _Request:
     wire: int = 0
     abandoned: bool = False
     finished: bool = False  # its final event (done or fail) has arrived
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # final event, or channel gone
     space: asyncio.Event = field(default_factory=asyncio.Event)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -235,6 +236,7 @@ class AgentChannel:
         self._loop = asyncio.get_running_loop()
         self._rids = itertools.count(1)
         self._pending: dict[int, _Request] = {}
+        self._orphans: set[_Request] = set()  # abandoned, and the agent is still on them
         self._send_lock = asyncio.Lock()
         self.closed = asyncio.Event()
         self.violation: str | None = None
@@ -282,6 +284,8 @@ class AgentChannel:
                 if ev in _FINAL:
                     req.finished = True
                     req.space.set()
+                    req.ended.set()
+                    self._orphans.discard(req)
                 if req.abandoned:
                     if ev in _FINAL:
                         self._pending.pop(rid, None)
@@ -313,6 +317,8 @@ class AgentChannel:
             for req in self._pending.values():
                 req.ready.set()
                 req.space.set()
+                req.ended.set()
+            self._orphans.clear()
 
     async def send(self, header: dict, payload: bytes = b"", fds: list[int] = ()) -> None:
         data = protocol.encode(header, payload)
@@ -353,6 +359,7 @@ class AgentChannel:
             self._pending.pop(rid, None)
             return
         req.abandoned = True
+        self._orphans.add(req)
         req.items.clear()
         req.queued_bytes = 0
         req.space.set()  # a reader blocked on this queue reads (and drops) again
@@ -363,6 +370,11 @@ class AgentChannel:
                 self.on_abandon(req.op, rid)
             except Exception:
                 log.exception("interrupting an abandoned request failed")
+
+    def orphans(self) -> list[asyncio.Event]:
+        """The ``ended`` events of abandoned requests the agent is still working on: until
+        they are set, the REPL is busy with a call nobody waits for."""
+        return [req.ended for req in self._orphans]
 
     async def events(self, rid: int, queue: RequestQueue) -> AsyncIterator[tuple[dict, bytes]]:
         """Yield the events of request ``rid`` up to and including its ``done``."""
@@ -409,3 +421,6 @@ class AgentChannel:
         await asyncio.wait([self._reader])
         self.sock.close()
         self.closed.set()
+        for req in self._pending.values():
+            req.ended.set()
+        self._orphans.clear()

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import httpx
 
+from branchbox.sdk._deadline import within
 from branchbox.sdk._errors import SandboxError, SandboxNotFound
 from branchbox.sdk._files import AsyncFiles
 from branchbox.sdk._http import Api
@@ -146,11 +147,14 @@ class AsyncSandbox:
 
         An exception in the code is reported in ``.error``, not raised. Past ``timeout``
         seconds the code is interrupted (the REPL keeps its state) and ``SandboxTimeout``
-        is raised.
+        is raised. Code that ignores the interrupt (C code, a caught KeyboardInterrupt) is
+        killed with its REPL a few seconds later: ``SandboxTimeout`` says so, and the
+        sandbox is dead (``ReplGone``) from then on. Without an answer within ``timeout``
+        + 5 s the SDK gives up by itself (``SandboxTimeout``).
         """
         body = _given(code=code, timeout=timeout)
-        out = await collect(self._api.lines("POST", self._url("/run_code"), json=body),
-                            on_stdout, on_stderr)
+        out = await within(timeout, collect(self._api.lines(
+            "POST", self._url("/run_code"), json=body), on_stdout, on_stderr), "run_code")
         return execution(out, timeout)
 
     async def exec(self, cmd: str | builtins.list[str], *, cwd: str | None = None,
@@ -169,8 +173,8 @@ class AsyncSandbox:
             reply = await self._api.call("POST", self._url("/commands"),
                                          json={**body, "background": True})
             return AsyncCommandHandle(self, reply["pid"])
-        out = await collect(self._api.lines("POST", self._url("/commands"), json=body),
-                            on_stdout, on_stderr)
+        out = await within(timeout, collect(self._api.lines(
+            "POST", self._url("/commands"), json=body), on_stdout, on_stderr), "exec")
         return command_result(out, timeout)
 
     async def fork(self, n: int = 1) -> builtins.list[AsyncSandbox]:

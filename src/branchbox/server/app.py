@@ -15,6 +15,7 @@ from fastapi.responses import PlainTextResponse
 from branchbox.engine.sandboxes import Engine
 from branchbox.server import execution, files, images, ports, sandboxes
 from branchbox.server.deps import require_api_key
+from branchbox.server.disconnect import DisconnectWatch
 from branchbox.server.errors import install_error_handlers
 from branchbox.server.limits import BodyLimit
 from branchbox.server.replay import EventLog
@@ -53,6 +54,7 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] = (),
     app.state.events = EventLog()
     install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=MAX_JSON_BODY)
+    app.add_middleware(DisconnectWatch)  # calls of clients that hung up never run
 
     @app.get("/v1/healthz", response_class=PlainTextResponse, tags=["server"])
     async def healthz() -> str:

@@ -1,0 +1,181 @@
+"""Every call ends: the daemon's own deadlines behind a sandbox's REPL.
+
+The agent enforces a ``run_code`` timeout itself (SIGALRM raises KeyboardInterrupt
+in user code), but user code can outlast that: C code does not look at signals
+until it returns (``sum(range(10**11))``), and code may catch KeyboardInterrupt.
+So the daemon keeps a deadline of its own for every run with a timeout:
+
+1. at ``timeout + INTERRUPT_AFTER`` it sends SIGINT itself;
+2. at ``timeout + KILL_AFTER`` it stops the sandbox hard: everything in its cgroup
+   (the REPL, whatever the REPL started, a fork bomb's children) is SIGKILLed. The
+   call ends with ``SandboxTimeout`` saying so, and the sandbox is reported dead
+   (``ReplGone`` from then on): its files are kept until close, its memory state is
+   lost. A fresh REPL on the same files was the alternative; a dead sandbox says
+   plainly that the interpreter state the caller relied on is gone.
+
+A call whose client went away is *abandoned* (``runtime.channel``): a run is
+interrupted at once. Until the agent has finished an abandoned call the sandbox's
+lock stays held, so later calls get a clear ``409 busy`` after the engine's bounded
+wait instead of queueing behind a REPL that does not read (and a fork does not
+freeze a sandbox whose REPL cannot answer). An abandoned call that has not ended
+``ORPHAN_GRACE`` seconds after it was given up is stopped hard like a run past its
+deadline.
+
+The server tells the engine when a client hangs up (``CALLER_GONE``, set per request
+by ``server.disconnect``): a call still waiting for its sandbox then never runs, and
+a call under way is abandoned even while the sandbox sends nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextvars import ContextVar
+from typing import TypeVar
+
+from branchbox.engine import errors
+from branchbox.engine.live import Body
+from branchbox.runtime.channel import interrupt_repl
+
+log = logging.getLogger("branchbox.engine")
+
+INTERRUPT_AFTER = 1.0
+"""Seconds past a run's timeout before the daemon interrupts the REPL itself."""
+KILL_AFTER = 3.0
+"""Seconds past a run's timeout before the daemon kills the sandbox's processes."""
+ORPHAN_GRACE = 5.0
+"""Seconds an abandoned call has to end (after its interrupt) before the same hard stop."""
+
+
+T = TypeVar("T")
+
+CALLER_GONE: ContextVar[asyncio.Event | None] = ContextVar("branchbox_caller_gone",
+                                                           default=None)
+"""Set (by the server, per request) to an event that is set when the caller hangs up."""
+
+
+class CallerGone(errors.EngineError):
+    """The caller hung up: nobody reads the answer (499, as proxies log it)."""
+
+    status = 499
+    kind = "CallerGone"
+
+
+def _gone() -> CallerGone:
+    return CallerGone("the client went away before the call ran; it was not run")
+
+
+async def acquire(lock: asyncio.Lock, wait: float | None) -> None:
+    """Take ``lock`` within ``wait`` seconds (TimeoutError otherwise), unless the caller
+    hangs up first (CallerGone): a call abandoned while queued never runs."""
+    gone = CALLER_GONE.get()
+    acquiring = asyncio.ensure_future(lock.acquire())
+    waiter = asyncio.ensure_future(gone.wait()) if gone is not None else None
+    try:
+        await asyncio.wait([t for t in (acquiring, waiter) if t is not None], timeout=wait,
+                           return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        if acquiring.done() and not acquiring.cancelled():
+            lock.release()
+        raise
+    finally:
+        if waiter is not None:
+            waiter.cancel()
+        if not acquiring.done():
+            acquiring.cancel()  # asyncio.Lock hands a cancelled waiter's turn on
+            with contextlib.suppress(asyncio.CancelledError):
+                await acquiring
+    held = acquiring.done() and not acquiring.cancelled()
+    if gone is not None and gone.is_set():
+        if held:
+            lock.release()
+        raise _gone()
+    if not held:
+        raise TimeoutError
+
+
+async def until_gone(events: AsyncIterator[T]) -> AsyncIterator[T]:
+    """``events`` until the caller hangs up: then the wait for the next one is cancelled
+    (which abandons the request in the sandbox, see runtime.channel) and CallerGone is
+    raised."""
+    gone = CALLER_GONE.get()
+    if gone is None:
+        async for item in events:
+            yield item
+        return
+    waiter = asyncio.ensure_future(gone.wait())
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(events))
+            await asyncio.wait([step, waiter], return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                step.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration,
+                                         errors.EngineError):
+                    await step
+                raise CallerGone("the client went away during the call; it was interrupted")
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        waiter.cancel()
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+def stop_message(reason: str) -> str:
+    return (f"{reason}; its REPL and every process it started were killed (its memory "
+            "state is lost, its files are kept): close the sandbox")
+
+
+class RunDeadline:
+    """The daemon's deadline for one ``run_code`` with a timeout (nothing without one)."""
+
+    def __init__(self, body: Body, timeout: object,
+                 background: Callable[[asyncio.Task], None]) -> None:
+        self._handles: list[asyncio.TimerHandle] = []
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            return  # no timeout (or one the agent refuses): nothing to enforce
+        loop = asyncio.get_running_loop()
+        self._handles = [
+            loop.call_later(timeout + INTERRUPT_AFTER, interrupt_repl, body.cgroup, "run_code"),
+            loop.call_later(timeout + KILL_AFTER, lambda: background(loop.create_task(
+                hard_stop(body, f"run_code went past its timeout of {timeout:g} s and did "
+                                "not stop when interrupted")))),
+        ]
+
+    def cancel(self) -> None:
+        for handle in self._handles:
+            handle.cancel()
+
+
+async def hard_stop(body: Body, reason: str) -> None:
+    """SIGKILL everything in ``body``'s cgroup; its channel then closes and the calls on
+    it end (``body.stopped`` says why)."""
+    if body.channel is None or body.channel.closed.is_set():
+        return
+    body.stopped = stop_message(reason)
+    log.warning("stopping sandbox body %s: %s", body.key, reason)
+    await asyncio.to_thread(body.cgroup.kill)
+
+
+async def release_when_quiet(lock: asyncio.Lock, body: Body) -> None:
+    """Release ``lock`` once ``body``'s agent has finished every call abandoned on it
+    (stopping it hard if they take more than ORPHAN_GRACE)."""
+    try:
+        orphans = [] if body.channel is None else body.channel.orphans()
+        if orphans:
+            waiting = asyncio.gather(*(ended.wait() for ended in orphans))
+            try:
+                await asyncio.wait_for(asyncio.shield(waiting), ORPHAN_GRACE)
+            except TimeoutError:
+                await hard_stop(body, "a call given up on (its client went away or its "
+                                      "deadline passed) did not end within "
+                                      f"{ORPHAN_GRACE:g} s")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(waiting, ORPHAN_GRACE)
+    finally:
+        lock.release()
