@@ -6,12 +6,20 @@ PY := $(VENV)/bin/python
 DATA_DIR ?= /var/lib/branchbox
 # libnftables1: the sandbox firewall (runtime.nft loads it with ctypes).
 APT_PACKAGES := debootstrap btrfs-progs gcc libc6-dev libnftables1
+# The /ui page's tests drive Debian's headless Chromium through its chromedriver.
+TEST_APT_PACKAGES := chromium chromium-driver
 
-.PHONY: run test system-deps image lint bench
+.PHONY: run test system-deps test-deps image lint bench
+
+# $(call apt_install,PACKAGES): install those not installed yet.
+apt_install = @dpkg -s $(1) >/dev/null 2>&1 || \
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(1))
 
 system-deps:
-	@dpkg -s $(APT_PACKAGES) >/dev/null 2>&1 || \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PACKAGES))
+	$(call apt_install,$(APT_PACKAGES))
+
+test-deps:
+	$(call apt_install,$(TEST_APT_PACKAGES))
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +33,7 @@ image: system-deps $(VENV)/.installed
 run: image
 	$(PY) -m branchbox serve --data-dir $(DATA_DIR)
 
-test: image
+test: image test-deps
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(PY) -m pytest -q -p no:cacheprovider
 

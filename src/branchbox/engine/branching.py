@@ -145,6 +145,8 @@ class Branching:
             self._adopt_child(parent, child)
             children.append(child)
         self.net.refill()  # leases for the next fork, off its path
+        self.events.publish("fork", parent.record, children=[c.id for c in children],
+                            took=parent.last_fork["total"])
         return children
 
     def _adopt_child(self, parent: Live, child: Live) -> None:
@@ -268,6 +270,7 @@ class Branching:
             winner.family.members.discard(winner.id)
             self.records.mark_closed([winner.id])
             self.records.put(parent.record)
+            self.events.publish("merge", parent.record, winner=winner_id)
             parent.watcher = asyncio.get_running_loop().create_task(
                 self._watch(parent, parent.body))
             with contextlib.suppress(errors.EngineError, AgentError, ChannelClosed):

@@ -21,6 +21,7 @@ from branchbox.agent.protocol import ChannelClosed
 from branchbox.engine import errors
 from branchbox.engine.branching import Branching
 from branchbox.engine.config import EngineConfig
+from branchbox.engine.events import EventBus
 from branchbox.engine.host_image import HOST, HostImage, HostImageUnavailable
 from branchbox.engine.idranges import IdRanges
 from branchbox.engine.images import SavedImages
@@ -87,6 +88,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
         self.net: SandboxNetwork | None = None
         self.host_image: HostImage | None = None
         self.signal_guard = SignalGuard()
+        self.events = EventBus()  # lifecycle events: GET /v1/events and the /ui page
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -183,6 +185,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
             usage = {
                 "memory_bytes": sb.body.cgroup.memory_bytes(),
                 "pids": sb.body.cgroup.pids_current(),
+                "cpu_seconds": sb.body.cgroup.cpu_seconds(),
                 "host_pids": sb.body.cgroup.pids(),
             }
         children = [c.id for c in self.live.values() if c.record.parent_id == rec.id]
@@ -304,6 +307,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
         self._adopt(sb, timeout)
         if idle_timeout:
             self._close_when_idle(sb, idle_timeout)
+        self.events.publish("create", sb.record, image=image)
         return sb
 
     async def _spawn(self, image: str, meta: dict, env: dict[str, str] | None,
@@ -423,6 +427,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
         if sb.body is body and self.live.get(sb.id) is sb:
             sb.record.state = "gone"
             self.records.put(sb.record)
+            self.events.publish("gone", sb.record)
 
     # -------------------------------------------------------------------- close
     async def close(self, sandbox_id: str) -> None:
@@ -436,6 +441,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
         finally:  # even if a step failed (a broken channel): the family must not outlive it
             sb.record.state = "closed"
             self.records.mark_closed([sb.id])
+            self.events.publish("close", sb.record)
             sb.family.members.discard(sb.id)
             if not sb.family.members:
                 await sb.family.family.kill()
@@ -505,7 +511,8 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
             channel = self._check_alive(sb)
             if op == "run_code":
                 deadline = RunDeadline(sb.body, (args or {}).get("timeout"), self._track)
-            events = until_gone(channel.stream(op, args, payload))
+            events = until_gone(self.events.watch_run(sb.record, op, args,
+                                                      channel.stream(op, args, payload)))
             try:
                 async for item in events:
                     yield item

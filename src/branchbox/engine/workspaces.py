@@ -101,6 +101,8 @@ class Workspaces:
             self.records.end_commit(host)
             self._workspace_versions[host] = current + 1
             branch.version, branch.since = current + 1, time.time()
+            self.events.publish("commit", sb.record, workspace=str(host), version=current + 1,
+                                changed=len(done.changed))
             return {
                 "workspace": str(host), "changed": done.changed, "bytes": done.bytes,
                 "version": current + 1,

@@ -10,6 +10,7 @@ from branchbox.engine.sandboxes import Engine
 from branchbox.server.errors import AuthError
 from branchbox.server.keys import key_accepted
 from branchbox.server.replay import EventLog
+from branchbox.server.ui.session import authorization
 
 
 async def _engine(request: Request) -> Engine:
@@ -33,5 +34,5 @@ async def require_api_key(request: Request) -> None:
     keys: frozenset[str] = request.app.state.api_keys
     if not keys:
         return
-    if not key_accepted(keys, request.headers.get("authorization", "")):
+    if not key_accepted(keys, authorization(request)):
         raise AuthError()

@@ -1,0 +1,72 @@
+"""``GET /v1/events``: the engine's lifecycle events as a server-sent event stream.
+
+Each event is one SSE message: ``id: <event id>`` and ``data: <JSON>`` (the
+event's ``type`` is inside the JSON, so an ``EventSource``'s ``onmessage`` sees
+them all). A ``lost`` notice carries no id, so a client's ``Last-Event-ID``
+stays on the last event it really got. A comment line goes out after 15 s
+without events: proxies keep the connection, and a client that went away is
+noticed. Memory per client is nothing but its cursor into the engine's ring
+(see ``engine.events``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query
+from fastapi.responses import StreamingResponse
+
+from branchbox.engine import errors
+from branchbox.engine.events import EventBus
+from branchbox.server.deps import EngineDep
+
+router = APIRouter(tags=["events"])
+SSE = "text/event-stream"
+RETRY_MS = 2000  # how soon an EventSource reconnects (with Last-Event-ID) after a drop
+
+_DESCRIPTION = (
+    "Server-sent events, one per lifecycle step: ``id: N`` and ``data: {JSON}`` with "
+    "``id``, ``type`` (create | fork | merge | close | gone | exec | commit | checkpoint | "
+    "restore | lost), ``ts``, ``sandbox``, ``parent``, ``family`` and the type's fields: "
+    "fork ``children`` and ``took``; merge ``winner`` (the child whose state the sandbox now "
+    "has; its id is retired); exec ``op``, ``code``, ``stdout``, ``stderr`` (tails of at most "
+    "2048 characters), ``text``, ``error``, ``exit_code``, ``duration``; commit "
+    "``workspace``, ``version``, ``changed``. ``lost`` (no id) says ``count`` events were "
+    "dropped (-1: unknown) and the stream goes on at ``resume``.")
+
+
+@router.get("/v1/events", response_class=StreamingResponse,
+            responses={200: {"content": {SSE: {}}, "description": _DESCRIPTION}})
+async def events(
+    engine: EngineDep,
+    since: Annotated[int | None, Query(ge=0, description=(
+        "Resume after this event id (0: everything the daemon still holds); without it "
+        "(and without Last-Event-ID) only events from now on."))] = None,
+    last_event_id: Annotated[str | None, Header(description=(
+        "Sent by an EventSource when it reconnects: resume after it (it wins over "
+        "``since``, which stays in the URL of a reconnecting EventSource)."))] = None,
+) -> StreamingResponse:
+    """The lifecycle events of every sandbox, live, resumable from a bounded history."""
+    if last_event_id is not None:  # a reconnect: newer than the ``since`` of its URL
+        if not last_event_id.isdigit() or len(last_event_id) > 18:
+            raise errors.InvalidRequest("Last-Event-ID must be an event id (a number)")
+        since = int(last_event_id)
+    return StreamingResponse(_stream(engine.events, since), media_type=SSE,
+                             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
+
+async def _stream(bus: EventBus, since: int | None) -> AsyncIterator[str]:
+    yield f"retry: {RETRY_MS}\n\n"
+    async for event in bus.subscribe(since):
+        yield format_event(event)
+
+
+def format_event(event: dict | None) -> str:
+    """One SSE message (``None``: a keep-alive comment)."""
+    if event is None:
+        return ": keep-alive\n\n"
+    head = f"id: {event['id']}\n" if "id" in event else ""
+    # json.dumps escapes newlines, so the data is always one line.
+    return f"{head}data: {json.dumps(event, default=str)}\n\n"

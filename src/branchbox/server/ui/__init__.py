@@ -1,0 +1,1 @@
+"""The ``/ui`` page: every sandbox family as a live fork tree, fed by ``GET /v1/events``."""

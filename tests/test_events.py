@@ -1,0 +1,208 @@
+"""``GET /v1/events``: the lifecycle stream of a real daemon, in order, resumable, bounded.
+
+The stream is read by a thread over a real socket (an in-process transport would wait
+for the end of a response that never ends).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import socket
+import threading
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from served import ServedDaemon
+
+from branchbox import Sandbox
+from branchbox.engine.events import EventBus
+from branchbox.engine.records import SandboxRecord
+
+KEY = "events-test-key"
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[ServedDaemon]:
+    env = {k: v for k, v in os.environ.items() if k != "BRANCHBOX_API_KEY"}
+    served = ServedDaemon("events", {**env, "BRANCHBOX_API_KEY": KEY})
+    yield served
+    served.stop()
+
+
+class Listener:
+    """A thread reading one ``/v1/events`` stream into a queue of parsed messages."""
+
+    def __init__(self, daemon: ServedDaemon, path: str = "/v1/events",
+                 headers: dict[str, str] | None = None) -> None:
+        self.messages: queue.Queue[dict] = queue.Queue()
+        self._client = daemon.client(KEY)
+        self._opened = threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(path, headers or {}),
+                                        daemon=True)
+        self._thread.start()
+        assert self._opened.wait(30), "the event stream did not open"
+
+    def _read(self, path: str, headers: dict[str, str]) -> None:
+        try:
+            with self._client.stream("GET", path, headers=headers,
+                                     timeout=httpx.Timeout(60, read=None)) as reply:
+                assert reply.status_code == 200, reply.read()
+                assert reply.headers["content-type"].startswith("text/event-stream")
+                self._opened.set()
+                for line in reply.iter_lines():
+                    if line.startswith("data: "):
+                        self.messages.put(json.loads(line[len("data: "):]))
+        except (httpx.HTTPError, RuntimeError):
+            pass  # closed by the test
+
+    def until(self, done, within: float = 60) -> list[dict]:
+        """Messages up to and including the first for which ``done`` holds."""
+        got = []
+        while True:
+            try:
+                msg = self.messages.get(timeout=within)
+            except queue.Empty:
+                pytest.fail(f"no matching event within {within} s; got {got}")
+            got.append(msg)
+            if done(msg):
+                return got
+
+    def close(self) -> None:
+        self._client.close()
+        self._thread.join(10)
+
+
+def _is(kind: str, sandbox: str):
+    return lambda msg: msg["type"] == kind and msg["sandbox"] == sandbox
+
+
+def test_fork_merge_round_arrives_in_order(daemon: ServedDaemon) -> None:
+    listener = Listener(daemon)
+    try:
+        with Sandbox(url=daemon.url, api_key=KEY) as parent:
+            parent.run_code("print('before the fork')")
+            children = parent.fork(n=3)
+            children[0].run_code("open('/root/won.txt', 'w').write('x')")
+            parent.merge_into(children[0])
+            for child in children[1:]:
+                child.close()
+        events = listener.until(_is("close", parent.id))
+    finally:
+        listener.close()
+    ours = [e for e in events if e["family"] == parent.id]
+    assert [e["type"] for e in ours] == [
+        "create", "exec", "fork", "exec", "merge", "close", "close", "close"]
+    ids = [e["id"] for e in ours]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    create, run, fork, child_run, merge, *closes = ours
+    assert create["sandbox"] == parent.id and create["parent"] is None
+    assert run["op"] == "run_code" and run["stdout"] == "before the fork\n"
+    assert run["error"] is None and run["code"] == "print('before the fork')"
+    assert fork["sandbox"] == parent.id and fork["children"] == [c.id for c in children]
+    assert child_run["sandbox"] == children[0].id and child_run["parent"] == parent.id
+    assert merge["sandbox"] == parent.id and merge["winner"] == children[0].id
+    assert [c["sandbox"] for c in closes] == [children[1].id, children[2].id, parent.id]
+    assert all(e["ts"] <= f["ts"] for e, f in zip(ours, ours[1:], strict=False))
+
+
+def test_resume_after_an_id_and_from_last_event_id(daemon: ServedDaemon) -> None:
+    with Sandbox(url=daemon.url, api_key=KEY) as sb:
+        sb.run_code("1 + 1")
+        sb.exec("echo hi")
+    with daemon.client(KEY) as http:
+        assert http.get("/v1/events", params={"since": "x"}).status_code == 400
+        bad = http.get("/v1/events", headers={"Last-Event-ID": "not-an-id"})
+        assert bad.status_code == 400 and "Last-Event-ID" in bad.json()["error"]
+    # Everything held, then from the middle: the same events, in the same order.
+    everything = Listener(daemon, "/v1/events?since=0")
+    try:
+        held = everything.until(_is("close", sb.id))
+    finally:
+        everything.close()
+    mine = [e for e in held if e["sandbox"] == sb.id]
+    assert [e["type"] for e in mine] == ["create", "exec", "exec", "close"]
+    assert mine[2]["op"] == "exec" and mine[2]["stdout"] == "hi\n" and mine[2]["exit_code"] == 0
+    middle = mine[1]["id"]
+    # An EventSource reconnects with its URL's ``since`` and a newer Last-Event-ID.
+    for path, headers in ((f"/v1/events?since={middle}", {}),
+                          ("/v1/events?since=0", {"Last-Event-ID": str(middle)})):
+        resumed = Listener(daemon, path, headers)
+        try:
+            again = resumed.until(_is("close", sb.id))
+        finally:
+            resumed.close()
+        assert again[0]["id"] == middle + 1
+        assert again == [e for e in held if e["id"] > middle]
+
+
+def test_events_need_the_key(daemon: ServedDaemon) -> None:
+    with daemon.client(None) as http:
+        reply = http.get("/v1/events")
+        assert reply.status_code == 401 and reply.json()["error"] == "invalid api key"
+    with daemon.client("wrong") as http:
+        assert http.get("/v1/events").status_code == 401
+
+
+def test_events_are_in_the_openapi_document(daemon: ServedDaemon) -> None:
+    with daemon.client(KEY) as http:
+        op = http.get("/openapi.json").json()["paths"]["/v1/events"]["get"]
+    assert "text/event-stream" in op["responses"]["200"]["content"]
+    assert {p["name"] for p in op["parameters"]} == {"since", "last-event-id"}
+
+
+def test_a_stalled_subscriber_never_holds_the_engine(daemon: ServedDaemon) -> None:
+    """A client that asks for everything and then reads nothing: runs with output go on
+    (their events fill the ring, not the engine's path), and the client, when it reads
+    again, is told what it lost."""
+    host, port = daemon.url.removeprefix("http://").split(":")
+    stalled = socket.create_connection((host, int(port)))
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stalled.sendall(f"GET /v1/events?since=0 HTTP/1.1\r\nHost: x\r\n"
+                    f"Authorization: Bearer {KEY}\r\n\r\n".encode())
+    try:
+        with Sandbox(url=daemon.url, api_key=KEY) as sb:
+            for _ in range(40):  # ~40 x 4 KiB of events the stalled client never takes
+                sb.run_code("print('y' * 5000); import sys; print('z' * 5000, file=sys.stderr)")
+            assert sb.run_code("21 * 2").text == "42"
+    finally:
+        stalled.close()
+
+
+def _record(sid: str) -> SandboxRecord:
+    return SandboxRecord(id=sid, family=sid, instance="k", image="default")
+
+
+def test_the_bus_is_bounded_and_says_what_a_slow_subscriber_lost() -> None:
+    async def scenario() -> None:
+        bus = EventBus(max_events=100, max_bytes=1 << 20)
+        slow = bus.subscribe(since=0)
+        first = await _next_with_deadline(bus, slow, _record("sbx_first"))
+        assert first["sandbox"] == "sbx_first"
+        for i in range(1000):  # publish never waits for the subscriber
+            bus.publish("exec", _record(f"sbx_{i}"), stdout="x" * 100)
+        assert len(bus.recent()) == 100
+        lost = await anext(slow)
+        assert lost == {"type": "lost", "count": 900, "resume": 902}
+        rest = [await anext(slow) for _ in range(100)]
+        assert [e["id"] for e in rest] == list(range(902, 1002))
+        # Bytes bound the ring too: big events push out old ones sooner.
+        small = EventBus(max_events=1000, max_bytes=64 << 10)
+        for i in range(100):
+            small.publish("exec", _record(f"sbx_{i}"), stdout="y" * 4096)
+        assert 10 <= len(small.recent()) <= 16
+        # An id from an earlier daemon: a loss of unknown size, then what is held.
+        lost, held = small.after(10**9)
+        assert lost == -1 and held == small.recent()
+
+    asyncio.run(scenario())
+
+
+async def _next_with_deadline(bus: EventBus, sub, record: SandboxRecord) -> dict:
+    waiting = asyncio.ensure_future(anext(sub))
+    await asyncio.sleep(0)
+    bus.publish("create", record)
+    return await asyncio.wait_for(waiting, 5)

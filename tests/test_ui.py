@@ -1,0 +1,142 @@
+"""The ``/ui`` page in a real browser: Debian's headless Chromium through its chromedriver
+(``make test`` installs both), driven by Selenium against a real daemon with an API key.
+
+Screenshots of each step land in the test's own tmp directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from served import ServedDaemon
+
+from branchbox import Sandbox
+
+KEY = "ui-test-key"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+CHROMIUM = "/usr/bin/chromium"
+WAIT = 30
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[ServedDaemon]:
+    env = {k: v for k, v in os.environ.items() if k != "BRANCHBOX_API_KEY"}
+    served = ServedDaemon("ui", {**env, "BRANCHBOX_API_KEY": KEY})
+    yield served
+    served.stop()
+
+
+@pytest.fixture
+def browser(tmp_path: Path):
+    try:
+        from selenium import webdriver
+    except ImportError:
+        pytest.fail("selenium is missing: pip install -e '.[test]' (make test does)")
+    for path in (CHROMIUM, CHROMEDRIVER):
+        if not shutil.which(path):
+            pytest.fail(f"{path} is missing: apt-get install chromium chromium-driver "
+                        "(make test does)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1400,900", f"--user-data-dir={tmp_path / 'profile'}"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(options=options,
+                              service=webdriver.ChromeService(executable_path=CHROMEDRIVER))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def _wait(driver, condition, what: str):
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        return WebDriverWait(driver, WAIT, poll_frequency=0.1).until(lambda d: condition(d))
+    except TimeoutException:
+        pytest.fail(f"the page never showed {what}:\n{driver.page_source[:4000]}")
+
+
+def _node(driver, sandbox_id: str):
+    from selenium.webdriver.common.by import By
+
+    found = driver.find_elements(By.CSS_SELECTOR, f'li.node[data-id="{sandbox_id}"]')
+    return found[0] if found else None
+
+
+def _family_nodes(driver, family: str) -> list:
+    from selenium.webdriver.common.by import By
+
+    return driver.find_elements(
+        By.CSS_SELECTOR, f'section.family[data-family="{family}"] li.node')
+
+
+def test_the_page_refuses_without_the_key(daemon: ServedDaemon, browser) -> None:
+    from selenium.webdriver.common.by import By
+
+    assert httpx.get(f"{daemon.url}/ui").status_code == 401
+    assert httpx.get(f"{daemon.url}/ui", params={"key": "wrong"}).status_code == 401
+    assert httpx.get(f"{daemon.url}/ui", cookies={"branchbox_key": "wrong"}).status_code == 401
+    browser.get(f"{daemon.url}/ui")
+    assert "needs one of the server's API keys" in browser.page_source
+    assert not browser.find_elements(By.ID, "families")
+    # The form on the refusal takes the key once, then the page opens.
+    browser.find_element(By.NAME, "key").send_keys(KEY)
+    browser.find_element(By.CSS_SELECTOR, "form button").click()
+    _wait(browser, lambda d: d.find_elements(By.ID, "families"), "the tree after the form")
+
+
+def test_a_fork_merge_round_shows_live(daemon: ServedDaemon, browser, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    browser.get(f"{daemon.url}/ui?key={KEY}")
+    assert browser.current_url == f"{daemon.url}/ui"  # the key left the address bar
+    (cookie,) = browser.get_cookies()
+    assert cookie["name"] == "branchbox_key" and cookie["httpOnly"] is True
+    assert browser.execute_script("return document.cookie") == ""
+    _wait(browser, lambda d: d.find_element(By.ID, "status").text == "live", "a live stream")
+    browser.execute_script("window.notReloaded = true")
+
+    with Sandbox(url=daemon.url, api_key=KEY) as parent:
+        parent.run_code("print('hello from the parent')")
+        children = parent.fork(n=3)
+        _wait(browser, lambda d: len(_family_nodes(d, parent.id)) == 4, "4 nodes of the family")
+        for child in children:
+            assert _node(browser, child.id).get_attribute("data-parent") == parent.id
+        browser.save_screenshot(str(tmp_path / "1-forked.png"))
+
+        children[0].run_code("open('/root/won.txt', 'w').write('the winner')")
+        parent.merge_into(children[0])
+        _wait(browser, lambda d: "retired" in _node(d, children[0].id).get_attribute("class"),
+              "the winner retired by the merge")
+        parent_card = _node(browser, parent.id).find_element(By.CSS_SELECTOR, ".card")
+        assert f"merged ← {children[0].id[:12]}" in parent_card.text
+        winner_card = _node(browser, children[0].id).find_element(By.CSS_SELECTOR, ".card")
+        assert "won" in winner_card.text and "merged" in winner_card.text
+        browser.save_screenshot(str(tmp_path / "2-merged.png"))
+
+        children[2].close()
+        _wait(browser, lambda d: "closed" in _node(d, children[2].id).text, "a closed branch")
+
+        # Two nodes selected: the parent (now with the winner's file) and a sibling.
+        parent_card.click()
+        _wait(browser, lambda d: "hello from the parent" in d.find_element(By.ID, "details").text,
+              "the parent's last run and its output")
+        _node(browser, children[1].id).find_element(By.CSS_SELECTOR, ".card").click()
+        _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#diff .diff-removed"),
+              "the diff of two nodes")
+        removed = browser.find_element(By.CSS_SELECTOR, "#diff .diff-removed")
+        assert "/root/won.txt" in removed.text
+        browser.save_screenshot(str(tmp_path / "3-diff.png"))
+        children[1].close()
+
+    assert browser.execute_script("return window.notReloaded") is True
+    assert all((tmp_path / name).stat().st_size > 0
+               for name in ("1-forked.png", "2-merged.png", "3-diff.png"))
