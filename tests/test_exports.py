@@ -11,10 +11,12 @@ import branchbox
 import branchbox.sdk
 
 PUBLIC = [
+    "AsyncCheckpoint",
     "AsyncCommandHandle",
     "AsyncFiles",
     "AsyncSandbox",
     "AuthError",
+    "Checkpoint",
     "CommandHandle",
     "CommandNotFound",
     "CommandResult",

@@ -10,10 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from branchbox.sdk import (
+        AsyncCheckpoint,
         AsyncCommandHandle,
         AsyncFiles,
         AsyncSandbox,
         AuthError,
+        Checkpoint,
         CommandHandle,
         CommandNotFound,
         CommandResult,
@@ -33,10 +35,12 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "AsyncCheckpoint",
     "AsyncCommandHandle",
     "AsyncFiles",
     "AsyncSandbox",
     "AuthError",
+    "Checkpoint",
     "CommandHandle",
     "CommandNotFound",
     "CommandResult",

@@ -347,6 +347,46 @@ def merge(
         emit_json({"merged": winner, "into": parent})
 
 
+@command()
+def pause(sandbox_id: SandboxId) -> None:
+    """Freeze everything in a sandbox (no CPU; its timeout stops) until `resume`."""
+    with attached(sandbox_id) as sandbox:
+        out.print(sandbox.pause()["state"])
+
+
+@command()
+def resume(sandbox_id: SandboxId) -> None:
+    """Thaw a paused sandbox."""
+    with attached(sandbox_id) as sandbox:
+        out.print(sandbox.resume()["state"])
+
+
+@command()
+def checkpoint(
+    sandbox_id: SandboxId,
+    name: Annotated[str | None, typer.Option(help="A label for it.")] = None,
+    as_json: Json = False,
+) -> None:
+    """Keep this instant of a sandbox (memory and files); print the checkpoint's id."""
+    with attached(sandbox_id) as sandbox:
+        cp = sandbox.checkpoint(name)
+    if as_json:
+        emit_json({"id": cp.id, "name": cp.name, "sandbox_id": sandbox_id})
+    else:
+        out.print(cp.id)
+
+
+@command()
+def restore(
+    sandbox_id: SandboxId,
+    checkpoint_id: Annotated[str, typer.Argument(help="Checkpoint id (cp_...).",
+                                                 show_default=False)],
+) -> None:
+    """Make a sandbox one of its checkpoints again (same id, same address)."""
+    with attached(sandbox_id) as sandbox:
+        sandbox.restore(checkpoint_id)
+
+
 @command("rm")
 def remove(
     sandbox_ids: Annotated[list[str], typer.Argument(help="Sandbox ids.", show_default=False)],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import secrets
 import socket
@@ -59,12 +60,24 @@ class Branching:
             self._unlock(parent)  # once the REPL is done with the requests given up on
 
     async def _fork_locked(self, parent: Live, channel: AgentChannel, n: int) -> list[Live]:
-        """Pipelined: the REPL forks child k as soon as its slot arrives, so child k sets
+        """``n`` children of ``parent`` (locked, alive), adopted as its fork children."""
+        made = await self._fork_bodies(parent.body, channel, parent.record.meta, n,
+                                       timings=parent)
+        return self._adopt_children(parent, made, parent.generation)
+
+    async def _fork_bodies(self, pbody: Body, channel: AgentChannel, meta: dict, n: int, *,
+                           timings: Live | None = None,
+                           thaw_cmds: bool = True) -> list[tuple[str, Body]]:
+        """``n`` new bodies forked from ``pbody`` (whose REPL is ``channel``), each with a
+        fresh id and its network attached under policy ``meta["network"]``; not adopted.
+
+        Pipelined: the REPL forks child k as soon as its slot arrives, so child k sets
         itself up while the daemon prepares child k+1. All children still come from one
         instant: the REPL runs nothing else between the slots, and they share one frozen
-        layer."""
+        layer. The body's commands are frozen for the fork and thawed after it unless
+        ``thaw_cmds`` is False (a checkpoint's must never run). ``timings`` gets the
+        fork's timings as its ``last_fork``."""
         started = time.perf_counter()
-        pbody = parent.body
         pbody.cgroup.freeze("cmds")
         made: list[tuple[str, Body]] = []
         fresh: list[FrozenLayer] = []
@@ -79,7 +92,7 @@ class Branching:
             if len(lowers) > MAX_CHAIN:
                 fresh.append(await asyncio.to_thread(self.layers.squash, lowers))
                 lowers = [fresh[-1]]
-            limits = self._limits(parent.record.meta.get("memory_mb"))
+            limits = self._limits(meta.get("memory_mb"))
             if pbody.repl_host is None:  # a body keeps its REPL: look it up once
                 repl = await channel.call("ping")
                 pbody.repl_host = procfs.find_repl(pbody.cgroup.pids(), int(repl.get("pid") or 0))
@@ -103,11 +116,12 @@ class Branching:
             for (_, body), hello in zip(made, answers[1::2], strict=True):
                 if hello.get("signal_listener") is not None:
                     await self._take_signal_listener(body, hello)
-            self.net.apply([body.key for _, body in made], parent.record.meta.get("network")
+            self.net.apply([body.key for _, body in made], meta.get("network")
                            or self.net.policy_of(None, None))
-            parent.last_fork = {"n": n, "repl_paused": forked.get("paused"),
-                                "total": time.perf_counter() - started,
-                                "network": sum(net_took)}
+            if timings is not None:
+                timings.last_fork = {"n": n, "repl_paused": forked.get("paused"),
+                                     "total": time.perf_counter() - started,
+                                     "network": sum(net_took)}
         except BaseException as exc:
             for coro in [*pending, *hellos]:
                 if asyncio.iscoroutine(coro):
@@ -128,7 +142,15 @@ class Branching:
             for layer in fresh:
                 if layer.refs == 0:  # unused: squashed away, or the fork failed
                     self.layers.drop(layer)
-            pbody.cgroup.freeze("cmds", frozen=False)
+            if thaw_cmds:
+                pbody.cgroup.freeze("cmds", frozen=False)
+        self.net.refill()  # leases for the next fork, off its path
+        return made
+
+    def _adopt_children(self, parent: Live, made: list[tuple[str, Body]],
+                        generation: int) -> list[Live]:
+        """Fork bodies as live children of ``parent``, forked from its ``generation`` (a
+        merge back into it is stale once that is not its generation any more)."""
         children = []
         for sid, body in made:
             record = SandboxRecord(
@@ -139,14 +161,11 @@ class Branching:
                 parent_id=parent.id,
                 meta=dict(parent.record.meta),
             )
-            child = Live(record, body, parent.family, forked_at=parent.generation)
-            self._lineage[sid] = (parent.id, parent.generation)
+            child = Live(record, body, parent.family, forked_at=generation)
+            self._lineage[sid] = (parent.id, generation)
             parent.family.members.add(sid)
             self._adopt_child(parent, child)
             children.append(child)
-        self.net.refill()  # leases for the next fork, off its path
-        self.events.publish("fork", parent.record, children=[c.id for c in children],
-                            took=parent.last_fork["total"])
         return children
 
     def _adopt_child(self, parent: Live, child: Live) -> None:
@@ -253,11 +272,7 @@ class Branching:
                     f"{winner_id} is stale: {sandbox_id} changed by another merge after it "
                     "was forked (first merge wins)")
             self._check_alive(winner)
-            old = parent.body
-            parent.body = winner.body
-            parent.generation = next(self._generations)
-            parent.record.instance = winner.body.key
-            parent.record.state = "ready"
+            old = self._rebind(parent, winner.body)
             self.live.pop(winner.id)
             if winner.timer:
                 winner.timer.cancel()
@@ -269,17 +284,32 @@ class Branching:
                         self.live[sid].record.parent_id = parent.id
             winner.family.members.discard(winner.id)
             self.records.mark_closed([winner.id])
-            self.records.put(parent.record)
-            self.events.publish("merge", parent.record, winner=winner_id)
-            parent.watcher = asyncio.get_running_loop().create_task(
-                self._watch(parent, parent.body))
-            with contextlib.suppress(errors.EngineError, AgentError, ChannelClosed):
-                await parent.body.channel.call("sethostname", {"hostname": parent.id})
-            await self.net.hand_over(parent.body.key, old.key, parent.body.cgroup)
-            self._retire(old)  # killed and freed in the background: merge returns now
+            self._retire_checkpoints(winner.id)  # its id ends, and its instants with it
+            await self._take_over(parent, old)
         finally:
             winner.lock.release()
             parent.lock.release()
+
+    def _rebind(self, sb: Live, body: Body) -> Body:
+        """``sb``'s id is now served by ``body`` (merge's winner, restore's copy of a
+        checkpoint), in a new generation: branches forked before are stale. Returns the
+        old body for :meth:`_take_over`. No await, so callers rewrite lineage at once."""
+        old, sb.body = sb.body, body
+        sb.generation = next(self._generations)
+        sb.record.instance = body.key
+        sb.record.state = "ready"
+        return old
+
+    async def _take_over(self, sb: Live, old: Body) -> None:
+        """Finish a rebind: record, watch and name the new body, give it the id's address;
+        the old body is killed and freed in the background (the caller returns now)."""
+        self.records.put(sb.record)
+        sb.watcher = asyncio.get_running_loop().create_task(self._watch(sb, sb.body))
+        sb.body.channel.on_abandon = functools.partial(self._on_abandon, sb.body)
+        with contextlib.suppress(errors.EngineError, AgentError, ChannelClosed):
+            await sb.body.channel.call("sethostname", {"hostname": sb.id})
+        await self.net.hand_over(sb.body.key, old.key, sb.body.cgroup)
+        self._retire(old)
 
     # ---------------------------------------------------------------------- diff
     async def diff(self, sandbox_id: str, other_id: str,

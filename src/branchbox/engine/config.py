@@ -38,6 +38,9 @@ class EngineConfig:
         default_factory=lambda: int(os.environ.get("BRANCHBOX_DISK_MB", str(DEFAULT_DISK_MB)))
     )
     pids_max: int = 1024
+    # Checkpoints a family may hold at once (each a frozen REPL process and a cgroup).
+    max_checkpoints: int = field(
+        default_factory=lambda: int(os.environ.get("BRANCHBOX_MAX_CHECKPOINTS", "256")))
     # How long a call waits for a sandbox busy with another before 409 (nothing waits on
     # a sandbox's lock without a bound).
     busy_wait: float = field(

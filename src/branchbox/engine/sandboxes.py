@@ -20,8 +20,8 @@ from pathlib import Path
 from branchbox.agent.protocol import ChannelClosed
 from branchbox.engine import errors
 from branchbox.engine.branching import Branching
+from branchbox.engine.checkpoints import Checkpoint, Checkpoints
 from branchbox.engine.config import EngineConfig
-from branchbox.engine.events import EventBus
 from branchbox.engine.host_image import HOST, HostImage, HostImageUnavailable
 from branchbox.engine.idranges import IdRanges
 from branchbox.engine.images import SavedImages
@@ -31,6 +31,7 @@ from branchbox.engine.layers import (
 )
 from branchbox.engine.live import Body, FamilyHandle, Live, new_id
 from branchbox.engine.networking import SandboxNetwork
+from branchbox.engine.pausing import Pausing, refuse_paused
 from branchbox.engine.records import Records, SandboxRecord
 from branchbox.engine.run_guard import RunDeadline, acquire, release_when_quiet, until_gone
 from branchbox.engine.warm import WarmPool
@@ -64,7 +65,7 @@ ATTACH_DIR = Path("/run/branchbox/attach")
 _LOCK_FREE_OPS = {"ping", "wait", "kill", "ps"}
 
 
-class Engine(WarmPool, Branching, Workspaces, SavedImages):
+class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints):
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.live: dict[str, Live] = {}
@@ -75,6 +76,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
         # id -> (parent id, parent's generation at fork); kept after close so that a
         # descendant whose intermediate ancestors are closed can still be merged.
         self._lineage: dict[str, tuple[str, int]] = {}
+        self._checkpoints: dict[str, Checkpoint] = {}  # by id; see engine.checkpoints
         self._generations = itertools.count(1)
         self._unfavor = None
         self._thaw_guard: ThawGuard | None = None
@@ -88,7 +90,6 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
         self.net: SandboxNetwork | None = None
         self.host_image: HostImage | None = None
         self.signal_guard = SignalGuard()
-        self.events = EventBus()  # lifecycle events: GET /v1/events and the /ui page
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -185,7 +186,6 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
             usage = {
                 "memory_bytes": sb.body.cgroup.memory_bytes(),
                 "pids": sb.body.cgroup.pids_current(),
-                "cpu_seconds": sb.body.cgroup.cpu_seconds(),
                 "host_pids": sb.body.cgroup.pids(),
             }
         children = [c.id for c in self.live.values() if c.record.parent_id == rec.id]
@@ -307,7 +307,6 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
         self._adopt(sb, timeout)
         if idle_timeout:
             self._close_when_idle(sb, idle_timeout)
-        self.events.publish("create", sb.record, image=image)
         return sb
 
     async def _spawn(self, image: str, meta: dict, env: dict[str, str] | None,
@@ -402,7 +401,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
             if self.live.get(sb.id) is not sb:
                 return
             now = time.monotonic()
-            if sb.lock.locked():
+            if sb.lock.locked() or sb.record.state == "paused":
                 sb.last_used = now
             if now - sb.last_used >= idle:
                 self._expire(sb.id)
@@ -427,7 +426,6 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
         if sb.body is body and self.live.get(sb.id) is sb:
             sb.record.state = "gone"
             self.records.put(sb.record)
-            self.events.publish("gone", sb.record)
 
     # -------------------------------------------------------------------- close
     async def close(self, sandbox_id: str) -> None:
@@ -437,11 +435,11 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
         if sb.timer:
             sb.timer.cancel()
         try:
+            await self._free_checkpoints(sandbox_id)
             await self._destroy_body(sb.body)
         finally:  # even if a step failed (a broken channel): the family must not outlive it
             sb.record.state = "closed"
             self.records.mark_closed([sb.id])
-            self.events.publish("close", sb.record)
             sb.family.members.discard(sb.id)
             if not sb.family.members:
                 await sb.family.family.kill()
@@ -491,6 +489,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
             ) from None
 
     def _check_alive(self, sb: Live) -> AgentChannel:
+        refuse_paused(sb)
         if sb.record.state == "gone" or sb.body.channel.closed.is_set():
             raise errors.ReplGone(
                 f"sandbox {sb.id}: {sb.body.stopped}" if sb.body.stopped else
@@ -511,8 +510,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages):
             channel = self._check_alive(sb)
             if op == "run_code":
                 deadline = RunDeadline(sb.body, (args or {}).get("timeout"), self._track)
-            events = until_gone(self.events.watch_run(sb.record, op, args,
-                                                      channel.stream(op, args, payload)))
+            events = until_gone(channel.stream(op, args, payload))
             try:
                 async for item in events:
                     yield item

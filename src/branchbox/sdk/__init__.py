@@ -6,6 +6,7 @@ Implementation modules are private (``_x.py``); these are the public names.
 from __future__ import annotations
 
 from branchbox.sdk._async import AsyncCommandHandle, AsyncSandbox
+from branchbox.sdk._checkpoints import AsyncCheckpoint
 from branchbox.sdk._errors import (
     AuthError,
     CommandNotFound,
@@ -21,13 +22,15 @@ from branchbox.sdk._errors import (
 )
 from branchbox.sdk._files import AsyncFiles
 from branchbox.sdk._results import CommandResult, Execution, ExecutionError
-from branchbox.sdk._sync import CommandHandle, Files, Sandbox
+from branchbox.sdk._sync import Checkpoint, CommandHandle, Files, Sandbox
 
 __all__ = [
+    "AsyncCheckpoint",
     "AsyncCommandHandle",
     "AsyncFiles",
     "AsyncSandbox",
     "AuthError",
+    "Checkpoint",
     "CommandHandle",
     "CommandNotFound",
     "CommandResult",

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import httpx
 
+from branchbox.sdk._checkpoints import AsyncCheckpoint
 from branchbox.sdk._deadline import within
 from branchbox.sdk._errors import SandboxError, SandboxNotFound
 from branchbox.sdk._files import AsyncFiles
@@ -179,12 +180,42 @@ class AsyncSandbox:
 
     async def fork(self, n: int = 1) -> builtins.list[AsyncSandbox]:
         """``n`` copies of this sandbox as it is now: memory, files, env, cwd."""
-        reply = await self._api.call("POST", self._url("/fork"), json={"n": n})
+        return self._children(await self._api.call("POST", self._url("/fork"), json={"n": n}))
+
+    def _children(self, reply: dict) -> builtins.list[AsyncSandbox]:
+        """The new children a fork answered with (``children``, ``addresses``)."""
         children = [AsyncSandbox._attached(self._api.retain(), child, self.id)
                     for child in reply["children"]]
         for child in children:
             child._ip = (reply.get("addresses") or {}).get(child.id)
         return children
+
+    async def pause(self) -> dict:
+        """Freeze everything in the sandbox (no CPU; its timeout stops counting) until
+        ``resume()``; calls that need its REPL meanwhile raise ``Conflict``. Returns its
+        info (``state``: ``paused``)."""
+        return await self._api.call("POST", self._url("/pause"))
+
+    async def resume(self) -> dict:
+        """Thaw a paused sandbox (a no-op for a running one). Returns its info."""
+        return await self._api.call("POST", self._url("/resume"))
+
+    async def checkpoint(self, name: str | None = None) -> AsyncCheckpoint:
+        """Keep this instant (REPL memory, files, env, cwd), frozen, for ``restore`` and
+        ``fork``; it shares memory and files with the sandbox copy-on-write."""
+        info = await self._api.call("POST", self._url("/checkpoints"), json=_given(name=name))
+        return AsyncCheckpoint(self, info)
+
+    async def checkpoints(self) -> builtins.list[AsyncCheckpoint]:
+        """The sandbox's checkpoints, oldest first."""
+        reply = await self._api.call("GET", self._url("/checkpoints"))
+        return [AsyncCheckpoint(self, info) for info in reply["checkpoints"]]
+
+    async def restore(self, checkpoint: AsyncCheckpoint | str) -> None:
+        """Make the sandbox that checkpoint's instant again (same id, same address); the
+        checkpoint stays. Branches forked before can no longer be merged into it."""
+        cid = checkpoint if isinstance(checkpoint, str) else checkpoint.id
+        await self._api.call("POST", self._url(f"/checkpoints/{cid}/restore"))
 
     @property
     def ip(self) -> str | None:

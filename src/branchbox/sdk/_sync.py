@@ -16,6 +16,7 @@ from types import TracebackType
 import httpx
 
 from branchbox.sdk._async import AsyncCommandHandle, AsyncSandbox
+from branchbox.sdk._checkpoints import AsyncCheckpoint
 from branchbox.sdk._files import AsyncFiles
 from branchbox.sdk._portal import blocking, portal
 from branchbox.sdk._results import CommandResult, OutputCallback
@@ -119,6 +120,22 @@ class Sandbox:
         """``n`` copies of this sandbox as it is now: memory, files, env, cwd."""
         return [Sandbox._wrap(child) for child in portal.run(self._core.fork(n))]
 
+    pause = blocking(AsyncSandbox.pause)
+    resume = blocking(AsyncSandbox.resume)
+
+    def checkpoint(self, name: str | None = None) -> Checkpoint:
+        """See ``AsyncSandbox.checkpoint``."""
+        return Checkpoint(portal.run(self._core.checkpoint(name)))
+
+    def checkpoints(self) -> builtins.list[Checkpoint]:
+        """The sandbox's checkpoints, oldest first."""
+        return [Checkpoint(cp) for cp in portal.run(self._core.checkpoints())]
+
+    def restore(self, checkpoint: Checkpoint | str) -> None:
+        """See ``AsyncSandbox.restore``."""
+        target = checkpoint._core if isinstance(checkpoint, Checkpoint) else checkpoint
+        portal.run(self._core.restore(target))
+
     def merge_into(self, winner: Sandbox) -> None:
         """Make this sandbox's id drive ``winner``'s state; ``winner`` is used up."""
         portal.run(self._core.merge_into(winner._core))
@@ -156,6 +173,34 @@ class Files:
     def read_stream(self, path: str) -> Iterator[bytes]:
         """The file's contents in chunks, as they arrive."""
         return portal.iterate(self._core.read_stream(path))
+
+
+class Checkpoint:
+    """A frozen instant of a sandbox; see ``AsyncCheckpoint``."""
+
+    def __init__(self, core: AsyncCheckpoint) -> None:
+        self._core = core
+
+    @property
+    def id(self) -> str:
+        return self._core.id
+
+    @property
+    def name(self) -> str | None:
+        return self._core.name
+
+    @property
+    def created(self) -> float | None:
+        return self._core.created
+
+    def fork(self, n: int = 1) -> builtins.list[Sandbox]:
+        """``n`` new sandboxes as the sandbox was at this instant (children of it)."""
+        return [Sandbox._wrap(child) for child in portal.run(self._core.fork(n))]
+
+    delete = blocking(AsyncCheckpoint.delete)
+
+    def __repr__(self) -> str:
+        return repr(self._core).replace("AsyncCheckpoint", "Checkpoint", 1)
 
 
 class CommandHandle:

@@ -156,6 +156,10 @@ class Fork(_Body):
     n: int = 1
 
 
+class CreateCheckpoint(_Body):
+    name: str | None = None  # a label; the engine checks its length
+
+
 class Diff(_Body):
     other: str
     paths: list[SandboxPath] | None = None

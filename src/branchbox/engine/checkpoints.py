@@ -1,0 +1,197 @@
+"""Checkpoints: frozen instants of a sandbox (memory and files) to go back to or branch from.
+
+A checkpoint is a fork child of the sandbox that never runs. It is made by the
+fork path (so its memory shares the sandbox's pages copy-on-write and its files
+stack on the frozen layer that fork took) and frozen whole in its cgroup right
+after its hello; it is kept apart from the live sandboxes (no id a client can
+run code in). ``restore(cp)`` forks the checkpoint once more, its REPL thawed
+for that fork alone and its commands never, and rebinds the sandbox's id to the
+copy exactly as ``merge_into`` rebinds it to a winner (same id, same address,
+old body released); the checkpoint itself stays for later restores and for
+``fork``. A sandbox's checkpoints end with it (close, or its id retired by a
+merge into its parent). They count against the family's limit of checkpoints
+(``EngineConfig.max_checkpoints``), and each one's cgroup has the sandbox's
+memory limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from dataclasses import dataclass, field
+
+from branchbox.engine import errors
+from branchbox.engine.live import Body, Live
+from branchbox.engine.pausing import refuse_paused
+from branchbox.engine.records import SandboxRecord
+from branchbox.runtime.cgroups import FreezeFailed
+
+log = logging.getLogger("branchbox.engine")
+
+NAME_MAX = 128
+CHECKPOINT = "checkpoint"  # the state of a checkpoint's record
+
+
+@dataclass(eq=False)
+class Checkpoint:
+    record: SandboxRecord  # parent_id: the sandbox; meta: name and generation
+    body: Body
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+    @property
+    def sandbox_id(self) -> str:
+        assert self.record.parent_id is not None
+        return self.record.parent_id
+
+    def info(self) -> dict:
+        return {"id": self.id, "name": self.record.meta.get("name"),
+                "sandbox_id": self.sandbox_id, "created": self.record.created}
+
+
+def _check_name(name: object) -> None:
+    if name is None:
+        return
+    if not isinstance(name, str) or not 1 <= len(name) <= NAME_MAX \
+            or not name.isprintable():
+        raise errors.InvalidRequest(
+            f"a checkpoint name must be 1 to {NAME_MAX} printable characters")
+
+
+class Checkpoints:
+    """Mixed into Engine (uses its fork path, rebind, records and ``_checkpoints``)."""
+
+    def _checkpoint_of(self, sandbox_id: str, checkpoint_id: str) -> Checkpoint:
+        cp = self._checkpoints.get(checkpoint_id)
+        if cp is None or cp.sandbox_id != sandbox_id:
+            raise errors.SandboxNotFound(f"checkpoint {checkpoint_id!r} of {sandbox_id} not "
+                                         "found")
+        return cp
+
+    def checkpoints(self, sandbox_id: str) -> list[Checkpoint]:
+        """The sandbox's checkpoints, oldest first."""
+        self.get(sandbox_id)
+        return sorted((cp for cp in self._checkpoints.values() if cp.sandbox_id == sandbox_id),
+                      key=lambda cp: cp.record.created)
+
+    async def checkpoint(self, sandbox_id: str, name: str | None = None) -> Checkpoint:
+        """This instant of the sandbox (REPL memory, files, env, cwd), kept frozen."""
+        _check_name(name)
+        sb = self.get(sandbox_id)
+        family = [cp for cp in self._checkpoints.values()
+                  if cp.record.family == sb.record.family]
+        if len(family) >= self.config.max_checkpoints:
+            raise errors.Conflict(
+                f"the family of {sandbox_id} holds {len(family)} checkpoints, its limit; "
+                "delete some first")
+        await self._acquire(sb, self.config.busy_wait)
+        try:
+            channel = self._check_alive(sb)
+            try:
+                ((_, body),) = await self._fork_bodies(sb.body, channel, sb.record.meta, 1)
+            except FreezeFailed as exc:
+                raise errors.Conflict(f"checkpoint failed: {exc}") from None
+            try:
+                await asyncio.to_thread(body.cgroup.freeze)
+            except BaseException:
+                await self._destroy_body(body)
+                raise
+            record = SandboxRecord(
+                id="cp_" + secrets.token_hex(16), family=sb.record.family, instance=body.key,
+                image=sb.record.image, parent_id=sb.id, state=CHECKPOINT,
+                meta={"name": name, "generation": sb.generation})
+            cp = Checkpoint(record, body)
+            self._checkpoints[cp.id] = cp
+            self.records.put(record)
+            return cp
+        finally:
+            sb.lock.release()
+
+    async def _copy_checkpoint(self, cp: Checkpoint, meta: dict, n: int) -> list[tuple[str, Body]]:
+        """``n`` running bodies forked from the checkpoint. Only its REPL thaws, for the
+        fork; its commands stay frozen throughout (their leaf is frozen on its own
+        first), so the checkpoint stays the instant it was."""
+        cgroup = cp.body.cgroup
+        try:
+            await asyncio.to_thread(cgroup.freeze, "cmds")
+            await asyncio.to_thread(cgroup.freeze, None, False)
+            channel = cp.body.channel
+            if channel is None or channel.closed.is_set():
+                raise errors.ReplGone(f"checkpoint {cp.id} is gone (its REPL was killed)")
+            return await self._fork_bodies(cp.body, channel, meta, n, thaw_cmds=False)
+        except FreezeFailed as exc:
+            raise errors.Conflict(f"checkpoint {cp.id}: {exc}") from None
+        finally:
+            with contextlib.suppress(FreezeFailed):
+                await asyncio.to_thread(cgroup.freeze)
+
+    async def restore(self, sandbox_id: str, checkpoint_id: str) -> None:
+        """The sandbox becomes the checkpoint's instant again: same id and address, its
+        current body released as merge_into releases a parent's. Branches forked before
+        are stale afterwards (a restore is a new generation, as a merge is)."""
+        sb = self.get(sandbox_id)
+        cp = self._checkpoint_of(sandbox_id, checkpoint_id)
+        await self._acquire(sb, self.config.busy_wait)
+        try:
+            async with cp.lock:
+                refuse_paused(sb)
+                if self.live.get(sandbox_id) is not sb or checkpoint_id not in self._checkpoints:
+                    raise errors.SandboxNotFound()  # closed or deleted while we waited
+                ((_, body),) = await self._copy_checkpoint(cp, sb.record.meta, 1)
+            old = self._rebind(sb, body)
+            await self._take_over(sb, old)
+        finally:
+            sb.lock.release()
+
+    async def fork_checkpoint(self, sandbox_id: str, checkpoint_id: str, n: int) -> list[Live]:
+        """``n`` new sandboxes from the checkpoint's instant, children of its sandbox."""
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.config.max_fork:
+            raise errors.InvalidRequest(f"n must be between 1 and {self.config.max_fork}")
+        sb = self.get(sandbox_id)
+        cp = self._checkpoint_of(sandbox_id, checkpoint_id)
+        async with cp.lock:
+            if checkpoint_id not in self._checkpoints:
+                raise errors.SandboxNotFound()
+            made = await self._copy_checkpoint(cp, sb.record.meta, n)
+        if self.live.get(sandbox_id) is not sb:  # closed meanwhile: its family may be gone
+            for _, body in made:
+                await self._destroy_body(body)
+            raise errors.SandboxNotFound()
+        return self._adopt_children(sb, made, cp.record.meta["generation"])
+
+    async def delete_checkpoint(self, sandbox_id: str, checkpoint_id: str) -> None:
+        cp = self._checkpoint_of(sandbox_id, checkpoint_id)
+        async with cp.lock:
+            if self._checkpoints.pop(checkpoint_id, None) is None:
+                return
+            self.records.mark_closed([checkpoint_id])
+            await self._destroy_body(cp.body)
+
+    def _drop_checkpoints(self, sandbox_id: str) -> list[Body]:
+        """Forget the sandbox's checkpoints; returns their bodies for the caller to
+        destroy (close awaits them, a merge retires them in the background)."""
+        gone = [cp for cp in self._checkpoints.values() if cp.sandbox_id == sandbox_id]
+        for cp in gone:
+            del self._checkpoints[cp.id]
+        if gone:
+            self.records.mark_closed([cp.id for cp in gone])
+        return [cp.body for cp in gone]
+
+    async def _free_checkpoints(self, sandbox_id: str) -> None:
+        """Destroy the sandbox's checkpoints now (its close); never raises, so the close
+        goes on to the sandbox's own body whatever happened to one of them."""
+        for body in self._drop_checkpoints(sandbox_id):
+            try:
+                await self._destroy_body(body)
+            except Exception:  # noqa: BLE001 - logged; the family's kill ends its processes
+                log.exception("a checkpoint of %s was not freed cleanly", sandbox_id)
+
+    def _retire_checkpoints(self, sandbox_id: str) -> None:
+        """Destroy the sandbox's checkpoints in the background (its id retired by a merge)."""
+        for body in self._drop_checkpoints(sandbox_id):
+            self._retire(body)

@@ -1,0 +1,74 @@
+"""pause and resume: a whole sandbox frozen in its cgroup's freezer, and thawed again.
+
+A paused sandbox runs nothing (REPL, commands, Q's init: no CPU) and keeps all
+its memory and files; its lifetime timeout stops counting (the time left is
+kept in its record's meta as ``timeout_left`` and re-armed by resume) and the
+idle timeout treats it as in use. Calls that need its REPL are refused with a
+409 until it is resumed, instead of waiting on a process that cannot answer.
+A call already running when the pause comes is frozen with it and goes on
+after resume (a run's own timeout is the REPL's wall-clock timer and keeps
+counting). Closing a paused sandbox works as for any other (the kill thaws).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from branchbox.engine import errors
+from branchbox.engine.live import Live
+from branchbox.runtime.cgroups import FreezeFailed
+
+PAUSED = "paused"
+
+
+class Pausing:
+    """Mixed into Engine (uses its live sandboxes, records and expiry)."""
+
+    async def pause(self, sandbox_id: str) -> dict:
+        """Freeze everything in the sandbox; idempotent. Returns its info."""
+        sb = self.get(sandbox_id)
+        if sb.record.state != PAUSED:
+            self._check_alive(sb)
+            try:
+                await asyncio.to_thread(sb.body.cgroup.freeze)
+            except FreezeFailed as exc:
+                raise errors.Conflict(f"pause failed: {exc}") from None
+            if self.live.get(sandbox_id) is not sb:  # closed or merged away meanwhile
+                raise errors.SandboxNotFound()
+            self._stop_clock(sb)
+            sb.record.state = PAUSED
+            self.records.put(sb.record)
+        return self.info(sandbox_id)
+
+    async def resume(self, sandbox_id: str) -> dict:
+        """Thaw the sandbox and restart its lifetime clock; idempotent. Returns its info."""
+        sb = self.get(sandbox_id)
+        if sb.record.state == PAUSED:
+            await asyncio.to_thread(sb.body.cgroup.freeze, None, False)
+            sb.record.state = "ready"
+            self._start_clock(sb)
+            self.records.put(sb.record)
+        return self.info(sandbox_id)
+
+    @staticmethod
+    def _stop_clock(sb: Live) -> None:
+        """Keep the lifetime left instead of a running timer."""
+        if sb.timer is not None:
+            left = sb.timer.when() - asyncio.get_running_loop().time()
+            sb.timer.cancel()
+            sb.timer = None
+            sb.record.meta = {**sb.record.meta, "timeout_left": max(left, 0.0)}
+
+    def _start_clock(self, sb: Live) -> None:
+        sb.last_used = time.monotonic()  # idle counts from the resume
+        left = sb.record.meta.get("timeout_left")
+        if left is not None:
+            sb.record.meta = {k: v for k, v in sb.record.meta.items() if k != "timeout_left"}
+            sb.timer = asyncio.get_running_loop().call_later(left, self._expire, sb.id)
+
+
+def refuse_paused(sb: Live) -> None:
+    """A call that needs the REPL: 409 while the sandbox is paused."""
+    if sb.record.state == PAUSED:
+        raise errors.Conflict(f"sandbox {sb.id} is paused; resume it first")

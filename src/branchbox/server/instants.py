@@ -1,0 +1,61 @@
+"""Pause/resume and checkpoints: a sandbox held still, and instants of it kept to go back to.
+
+Every route is under ``/v1/sandboxes/{id}``, so a request is routable by its sandbox
+id alone (a checkpoint lives on its sandbox's node).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Body
+
+from branchbox.server.deps import NO_CONTENT, EngineDep
+from branchbox.server.models import CreateCheckpoint, Fork
+
+router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}", tags=["instants"])
+
+
+@router.post("/pause")
+async def pause(sandbox_id: str, engine: EngineDep) -> dict:
+    """Freeze everything in the sandbox (no CPU; its timeout stops); returns its info."""
+    return await engine.pause(sandbox_id)
+
+
+@router.post("/resume")
+async def resume(sandbox_id: str, engine: EngineDep) -> dict:
+    """Thaw a paused sandbox; returns its info."""
+    return await engine.resume(sandbox_id)
+
+
+@router.post("/checkpoints", status_code=201)
+async def create_checkpoint(sandbox_id: str, engine: EngineDep,
+                            body: Annotated[CreateCheckpoint,
+                                            Body(default_factory=CreateCheckpoint)]) -> dict:
+    """Keep this instant of the sandbox (memory and files), frozen."""
+    return (await engine.checkpoint(sandbox_id, body.name)).info()
+
+
+@router.get("/checkpoints")
+async def list_checkpoints(sandbox_id: str, engine: EngineDep) -> dict:
+    return {"checkpoints": [cp.info() for cp in engine.checkpoints(sandbox_id)]}
+
+
+@router.post("/checkpoints/{checkpoint_id}/restore", **NO_CONTENT)
+async def restore(sandbox_id: str, checkpoint_id: str, engine: EngineDep) -> None:
+    """The sandbox becomes the checkpoint's instant again (same id, same address)."""
+    await engine.restore(sandbox_id, checkpoint_id)
+
+
+@router.post("/checkpoints/{checkpoint_id}/fork")
+async def fork_checkpoint(sandbox_id: str, checkpoint_id: str, engine: EngineDep,
+                          body: Annotated[Fork, Body(default_factory=Fork)]) -> dict:
+    """``n`` new sandboxes from the checkpoint's instant, children of the sandbox."""
+    children = await engine.fork_checkpoint(sandbox_id, checkpoint_id, body.n)
+    return {"children": [child.id for child in children],
+            "addresses": {child.id: engine.net.address(child.body.key) for child in children}}
+
+
+@router.delete("/checkpoints/{checkpoint_id}", **NO_CONTENT)
+async def delete_checkpoint(sandbox_id: str, checkpoint_id: str, engine: EngineDep) -> None:
+    await engine.delete_checkpoint(sandbox_id, checkpoint_id)

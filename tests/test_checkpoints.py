@@ -1,0 +1,188 @@
+"""Checkpoints (issue 13 part 3): frozen instants of a sandbox, memory and files, that it
+goes back to (same id, same address) or branches from, freed with it."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from branchbox import (
+    AsyncSandbox,
+    Conflict,
+    InvalidRequest,
+    ReplGone,
+    SandboxNotFound,
+    StaleBranchError,
+)
+from branchbox.sdk._portal import portal
+
+STATE = "import os; (x, os.environ.get('FOO'), os.getcwd())"
+
+
+def frozen(cgroup) -> bool:
+    """Whether the kernel reports the whole cgroup frozen (v1 freezer or v2)."""
+    if cgroup.version == 2:
+        return "frozen 1" in (cgroup.dirs[0] / "cgroup.events").read_text()
+    freezer = next(d for d in cgroup.dirs if d.parts[-4] == "freezer")
+    return (freezer / "freezer.state").read_text().strip() == "FROZEN"
+
+
+def test_restore_round_trips_memory_files_env_and_cwd(harness, make) -> None:
+    sb = make()
+    sb.run_code("import os; x = [1, 2, 3]; os.environ['FOO'] = 'before'; os.chdir('/tmp')")
+    sb.files.write("/root/kept.txt", b"one")
+    ip = sb.ip
+    cp = sb.checkpoint("after-setup")
+    assert cp.name == "after-setup" and cp.id.startswith("cp_")
+    assert frozen(harness.engine._checkpoints[cp.id].body.cgroup), "a checkpoint must not run"
+
+    for _ in range(2):  # the checkpoint stays: restore it twice
+        sb.run_code("x.append(4); os.environ['FOO'] = 'after'; os.chdir('/')")
+        sb.files.write("/root/kept.txt", b"two")
+        sb.files.write("/root/new.txt", b"new")
+        sb.restore(cp)
+        assert sb.run_code(STATE).text == "([1, 2, 3], 'before', '/tmp')"
+        assert sb.files.read("/root/kept.txt") == b"one"
+        assert not sb.files.exists("/root/new.txt")
+        assert sb.exec("hostname").stdout.strip() == sb.id
+        info = sb.info()
+        assert info["id"] == sb.id and info["address"] == ip and info["state"] == "ready"
+    assert [c.id for c in sb.checkpoints()] == [cp.id]
+
+
+def test_restore_after_fork_and_merge(harness, make) -> None:
+    sb = make()
+    sb.run_code("x = 'original'")
+    cp = sb.checkpoint()
+    kids = sb.fork(2)
+    kids[0].run_code("x = 'merged'")
+    kids[0].files.write("/root/merged.txt", b"m")
+    sb.merge_into(kids[0])
+    assert sb.run_code("x").text == "'merged'"
+    sb.restore(cp)
+    assert sb.run_code("x").text == "'original'"
+    assert not sb.files.exists("/root/merged.txt")
+    with pytest.raises(StaleBranchError):  # forked before the restore: stale
+        sb.merge_into(kids[1])
+    kids[1].close()
+
+
+def test_fork_from_a_checkpoint(harness, make) -> None:
+    sb = make()
+    sb.run_code("x = 'then'")
+    cp = sb.checkpoint()
+    sb.run_code("x = 'now'")
+    kids = cp.fork(2)
+    try:
+        assert [k.run_code("x").text for k in kids] == ["'then'", "'then'"]
+        assert all(k.parent_id == sb.id for k in kids)
+        assert len({k.ip for k in kids} | {sb.ip}) == 3
+        assert sb.run_code("x").text == "'now'"
+        kids[0].run_code("x = 'winner'")
+        sb.merge_into(kids[0])  # a branch of the checkpoint merges like any child
+        assert sb.run_code("x").text == "'winner'"
+    finally:
+        for kid in kids:
+            kid.close()
+
+
+def test_a_hundred_checkpoints(harness, make) -> None:
+    sb = make()
+    cps = []
+    for i in range(100):
+        sb.run_code(f"i = {i}")
+        cps.append(sb.checkpoint(f"step {i}"))
+    assert [c.id for c in sb.checkpoints()] == [c.id for c in cps]
+    for i in (37, 0, 99):
+        sb.restore(cps[i])
+        assert sb.run_code("i").text == str(i)
+    bodies = [harness.engine._checkpoints[c.id].body.cgroup for c in cps]
+    for cp in cps[:50]:
+        cp.delete()
+    assert [c.id for c in sb.checkpoints()] == [c.id for c in cps[50:]]
+    assert all(cg.dirs == [] for cg in bodies[:50])
+    sb.close()
+    assert all(cg.dirs == [] for cg in bodies), "a closed sandbox's checkpoints are freed"
+    assert not [c for c in harness.engine._checkpoints.values() if c.sandbox_id == sb.id]
+
+
+def test_a_sandbox_whose_repl_died_can_be_restored(harness, make) -> None:
+    sb = make()
+    sb.run_code("z = 'alive'")
+    cp = sb.checkpoint()
+    with pytest.raises(ReplGone):
+        sb.run_code("import os; os._exit(3)")
+    sb.restore(cp)
+    assert sb.run_code("z").text == "'alive'"
+
+
+def test_limits_and_errors(harness, make) -> None:
+    sb, other = make(), make()
+    cp = sb.checkpoint()
+    with pytest.raises(SandboxNotFound):
+        other.restore(cp.id)  # not other's checkpoint
+    with pytest.raises(SandboxNotFound):
+        sb.restore("cp_" + "0" * 32)
+    with pytest.raises(InvalidRequest):
+        sb.checkpoint("x" * 500)
+    with pytest.raises(InvalidRequest):
+        cp.fork(0)
+    sb.pause()
+    with pytest.raises(Conflict, match="paused"):
+        sb.checkpoint()
+    with pytest.raises(Conflict, match="paused"):
+        sb.restore(cp)
+    sb.resume()
+    config = harness.engine.config
+    limit, config.max_checkpoints = config.max_checkpoints, 2
+    try:
+        child = sb.fork(1)[0]
+        child.checkpoint()  # the family now holds two
+        with pytest.raises(Conflict, match="limit"):
+            sb.checkpoint()
+        child.close()  # its checkpoint goes with it
+        sb.checkpoint()
+    finally:
+        config.max_checkpoints = limit
+    with httpx.Client(transport=_blocking(harness), base_url="http://t") as client:
+        reply = client.post(f"/v1/sandboxes/{sb.id}/checkpoints", json={"name": 5})
+        assert reply.status_code == 400 and "name" in reply.json()["error"]
+        reply = client.delete(f"/v1/sandboxes/{sb.id}/checkpoints/cp_nope")
+        assert reply.status_code == 404 and "checkpoint" in reply.json()["error"]
+
+
+def test_async_face(harness) -> None:
+    async def scenario() -> None:
+        async with AsyncSandbox(transport=harness.transport()) as sb:
+            await sb.run_code("w = 1")
+            cp = await sb.checkpoint("one")
+            await sb.run_code("w = 2")
+            await sb.restore(cp)
+            assert (await sb.run_code("w")).text == "1"
+            (kid,) = await cp.fork(1)
+            assert (await kid.run_code("w")).text == "1"
+            await kid.close()
+            assert [c.id for c in await sb.checkpoints()] == [cp.id]
+            await cp.delete()
+            assert await sb.checkpoints() == []
+
+    portal.run(scenario())
+
+
+def _blocking(harness) -> httpx.BaseTransport:
+    """The in-process app as a blocking transport (requests run on the portal loop)."""
+
+    class Portal(httpx.BaseTransport):
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            async def send() -> httpx.Response:
+                async with httpx.AsyncClient(transport=harness.transport(),
+                                             base_url="http://t") as client:
+                    reply = await client.send(request)
+                    await reply.aread()
+                    return reply
+
+            reply = portal.run(send())
+            return httpx.Response(reply.status_code, headers=reply.headers,
+                                  content=reply.content)
+
+    return Portal()
