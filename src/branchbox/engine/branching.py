@@ -63,7 +63,10 @@ class Branching:
         """``n`` children of ``parent`` (locked, alive), adopted as its fork children."""
         made = await self._fork_bodies(parent.body, channel, parent.record.meta, n,
                                        timings=parent)
-        return self._adopt_children(parent, made, parent.generation)
+        children = self._adopt_children(parent, made, parent.generation)
+        self.events.publish("fork", parent.record, children=[c.id for c in children],
+                            took=parent.last_fork["total"])
+        return children
 
     async def _fork_bodies(self, pbody: Body, channel: AgentChannel, meta: dict, n: int, *,
                            timings: Live | None = None,
@@ -285,6 +288,7 @@ class Branching:
             winner.family.members.discard(winner.id)
             self.records.mark_closed([winner.id])
             self._retire_checkpoints(winner.id)  # its id ends, and its instants with it
+            self.events.publish("merge", parent.record, winner=winner_id)
             await self._take_over(parent, old)
         finally:
             winner.lock.release()

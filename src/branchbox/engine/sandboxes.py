@@ -22,6 +22,7 @@ from branchbox.engine import errors
 from branchbox.engine.branching import Branching
 from branchbox.engine.checkpoints import Checkpoint, Checkpoints
 from branchbox.engine.config import EngineConfig
+from branchbox.engine.events import EventBus
 from branchbox.engine.host_image import HOST, HostImage, HostImageUnavailable
 from branchbox.engine.idranges import IdRanges
 from branchbox.engine.images import SavedImages
@@ -90,6 +91,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints)
         self.net: SandboxNetwork | None = None
         self.host_image: HostImage | None = None
         self.signal_guard = SignalGuard()
+        self.events = EventBus()  # lifecycle events: GET /v1/events and the /ui page
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -186,6 +188,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints)
             usage = {
                 "memory_bytes": sb.body.cgroup.memory_bytes(),
                 "pids": sb.body.cgroup.pids_current(),
+                "cpu_seconds": sb.body.cgroup.cpu_seconds(),
                 "host_pids": sb.body.cgroup.pids(),
             }
         children = [c.id for c in self.live.values() if c.record.parent_id == rec.id]
@@ -307,6 +310,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints)
         self._adopt(sb, timeout)
         if idle_timeout:
             self._close_when_idle(sb, idle_timeout)
+        self.events.publish("create", sb.record, image=image)
         return sb
 
     async def _spawn(self, image: str, meta: dict, env: dict[str, str] | None,
@@ -426,6 +430,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints)
         if sb.body is body and self.live.get(sb.id) is sb:
             sb.record.state = "gone"
             self.records.put(sb.record)
+            self.events.publish("gone", sb.record)
 
     # -------------------------------------------------------------------- close
     async def close(self, sandbox_id: str) -> None:
@@ -440,6 +445,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints)
         finally:  # even if a step failed (a broken channel): the family must not outlive it
             sb.record.state = "closed"
             self.records.mark_closed([sb.id])
+            self.events.publish("close", sb.record)
             sb.family.members.discard(sb.id)
             if not sb.family.members:
                 await sb.family.family.kill()
@@ -510,7 +516,8 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints)
             channel = self._check_alive(sb)
             if op == "run_code":
                 deadline = RunDeadline(sb.body, (args or {}).get("timeout"), self._track)
-            events = until_gone(channel.stream(op, args, payload))
+            events = until_gone(self.events.watch_run(sb.record, op, args,
+                                                      channel.stream(op, args, payload)))
             try:
                 async for item in events:
                     yield item

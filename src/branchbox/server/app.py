@@ -13,12 +13,13 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import PlainTextResponse
 
 from branchbox.engine.sandboxes import Engine
-from branchbox.server import execution, files, images, instants, ports, sandboxes
+from branchbox.server import events, execution, files, images, instants, ports, sandboxes
 from branchbox.server.deps import require_api_key
 from branchbox.server.disconnect import DisconnectWatch
 from branchbox.server.errors import install_error_handlers
 from branchbox.server.limits import BodyLimit
 from branchbox.server.replay import EventLog
+from branchbox.server.ui import routes as ui
 
 DEFAULT_MAX_UPLOAD = 1 << 30
 # Any body but a file upload is parsed whole in memory, so it has its own, smaller limit
@@ -61,8 +62,9 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] = (),
         """``ok`` once the engine has started (open to all, even with API keys)."""
         return "ok"
 
-    for module in (sandboxes, execution, files, images, ports):
+    for module in (sandboxes, execution, files, images, ports, events):
         app.include_router(module.router, dependencies=[Depends(require_api_key)])
     app.include_router(instants.router, dependencies=[Depends(require_api_key)])
     app.include_router(ports.ws_router)  # checks the same key itself
+    app.include_router(ui.router)  # the page checks the key itself (a refusal is HTML)
     return app
