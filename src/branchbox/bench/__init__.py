@@ -27,6 +27,7 @@ from branchbox.bench import (
     create,
     diff,
     fork,
+    mcp_calls,
     memory,
     merge,
     network,
@@ -54,6 +55,7 @@ SUITES: dict[str, ModuleType] = {
         without_fork,
         workspace,
         workspace_io,
+        mcp_calls,
     )
 }
 
