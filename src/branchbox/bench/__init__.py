@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from branchbox.bench import (
+    checkpoints,
     children,
     create,
     diff,
@@ -47,6 +48,7 @@ SUITES: dict[str, ModuleType] = {
         run_code,
         fork,
         merge,
+        checkpoints,
         network,
         diff,
         memory,

@@ -70,7 +70,8 @@ class Branching:
 
     async def _fork_bodies(self, pbody: Body, channel: AgentChannel, meta: dict, n: int, *,
                            timings: Live | None = None,
-                           thaw_cmds: bool = True) -> list[tuple[str, Body]]:
+                           thaw_cmds: bool = True,
+                           network: bool = True) -> list[tuple[str, Body]]:
         """``n`` new bodies forked from ``pbody`` (whose REPL is ``channel``), each with a
         fresh id and its network attached under policy ``meta["network"]``; not adopted.
 
@@ -78,8 +79,9 @@ class Branching:
         itself up while the daemon prepares child k+1. All children still come from one
         instant: the REPL runs nothing else between the slots, and they share one frozen
         layer. The body's commands are frozen for the fork and thawed after it unless
-        ``thaw_cmds`` is False (a checkpoint's must never run). ``timings`` gets the
-        fork's timings as its ``last_fork``."""
+        ``thaw_cmds`` is False (a checkpoint's must never run). ``network=False`` leaves
+        the bodies without a port (a checkpoint never speaks; what is forked from it
+        gets one). ``timings`` gets the fork's timings as its ``last_fork``."""
         started = time.perf_counter()
         pbody.cgroup.freeze("cmds")
         made: list[tuple[str, Body]] = []
@@ -107,7 +109,8 @@ class Branching:
                 answer, hello = await self._send_slot(channel, sid, body, inherit)
                 inherit = None
                 hellos.append(hello)
-                pending += [answer, self._networked(hello, body, net_took)]
+                pending += [answer, self._networked(hello, body, net_took) if network
+                            else hello]
             batch_open = False
             forked = await channel.call("fork")
             try:
@@ -119,8 +122,9 @@ class Branching:
             for (_, body), hello in zip(made, answers[1::2], strict=True):
                 if hello.get("signal_listener") is not None:
                     await self._take_signal_listener(body, hello)
-            self.net.apply([body.key for _, body in made], meta.get("network")
-                           or self.net.policy_of(None, None))
+            if network:
+                self.net.apply([body.key for _, body in made], meta.get("network")
+                               or self.net.policy_of(None, None))
             if timings is not None:
                 timings.last_fork = {"n": n, "repl_paused": forked.get("paused"),
                                      "total": time.perf_counter() - started,

@@ -23,6 +23,8 @@ class AsyncCheckpoint:
         self.id: str = info["id"]
         self.name: str | None = info.get("name")
         self.created: float | None = info.get("created")
+        # The host processes holding it and their memory, when it was listed.
+        self.resources: dict = info.get("resources") or {}
 
     def _url(self, suffix: str = "") -> str:
         return self.sandbox._url(f"/checkpoints/{self.id}{suffix}")

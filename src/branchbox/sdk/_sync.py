@@ -193,6 +193,10 @@ class Checkpoint:
     def created(self) -> float | None:
         return self._core.created
 
+    @property
+    def resources(self) -> dict:
+        return self._core.resources
+
     def fork(self, n: int = 1) -> builtins.list[Sandbox]:
         """``n`` new sandboxes as the sandbox was at this instant (children of it)."""
         return [Sandbox._wrap(child) for child in portal.run(self._core.fork(n))]
