@@ -25,6 +25,7 @@ PUBLIC = [
     "ExecutionError",
     "FileNotFound",
     "Files",
+    "ImageBuildFailed",
     "InvalidRequest",
     "PayloadTooLarge",
     "ReplGone",

@@ -614,6 +614,38 @@ def image_list(as_json: Json = False) -> None:
     out.print(table)
 
 
+@command("build", image_app)
+def image_build(
+    name: Annotated[str, typer.Argument(help="Name of the new image.", show_default=False)],
+    file: Annotated[Path, typer.Option("-f", "--file", help="The spec: a Dockerfile subset "
+                                       "(FROM, RUN, ENV, WORKDIR, COPY).",
+                                       show_default=False)],
+    context: Annotated[Path | None, typer.Option(
+        help="Directory COPY takes files from (default: none).")] = None,
+    internet: Annotated[bool | None, typer.Option(
+        "--internet/--no-internet", help="Egress for RUN steps (default: the server's).",
+        show_default=False)] = None,
+    as_json: Json = False,
+) -> None:
+    """Build an image from a spec, one cached layer per step; a failing step shows its
+    output and leaves no image."""
+    from branchbox.build_progress import BuildProgress
+
+    try:
+        spec = file.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        fail(f"cannot read the spec {file}: {exc}")
+    with BuildProgress(err) as shown:
+        info = Sandbox.build_image(name, spec, context, internet=internet,
+                                   on_event=None if as_json else shown.on_event)
+        shown.done()
+    if as_json:
+        emit_json(info)
+    else:
+        out.print(f"built {info['name']} in {info.get('build_seconds')} s "
+                  f"({(info.get('size_bytes') or 0) / 1e6:.0f} MB of its own)")
+
+
 @command("save", image_app)
 def image_save(sandbox_id: SandboxId,
                name: Annotated[str, typer.Argument(help="Name of the new image.")],

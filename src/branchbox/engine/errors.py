@@ -73,6 +73,13 @@ class FileNotFound(EngineError):
     kind = "FileNotFound"
 
 
+class ImageBuildFailed(EngineError):
+    """A step of an image build failed (the message ends with its output); no image was made."""
+
+    status = 422
+    kind = "ImageBuildFailed"
+
+
 # What an agent "fail" type becomes in the engine.
 AGENT_ERRORS: dict[str, type[EngineError]] = {
     "InvalidRequest": InvalidRequest,

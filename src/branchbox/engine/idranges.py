@@ -183,6 +183,14 @@ class IdRanges:
             maps.host_userns = rootfs.idmap_userns(0, maps.base)
         return maps.host_userns
 
+    def forget(self, path: Path) -> None:
+        """Let go of every slot's id-mapped view of layer ``path`` (being deleted): an open
+        view would keep the deleted layer's files alive for the daemon's life."""
+        for maps in self._maps.values():
+            view = maps.lowers.pop(path, None)
+            if isinstance(view, int):
+                os.close(view)
+
     def _free(self, ids: IdRange) -> None:
         if self.taken.get(ids.slot) is not ids:
             return

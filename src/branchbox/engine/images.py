@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 
 from branchbox.engine import errors
+from branchbox.engine.host_image import HOST
+from branchbox.engine.image_build import STEP_PREFIX, collect_steps, step_manifest
 from branchbox.storage import btrfs
 from branchbox.storage.copyfs import remove_tree
 from branchbox.storage.idmap import UID_BASE, UID_COUNT
@@ -32,7 +34,7 @@ from branchbox.storage.images import KNOWN_IMAGES, SYSTEM_PYTHON, image_manifest
 
 # Lower case, digits and . _ -; at most 64; not a path, so it can name a file.
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
-RESERVED = ("host",)  # the host's own root (issue 11 part 4)
+RESERVED = (HOST,)  # the host's own root (engine/host_image.py)
 _SETID = stat.S_ISUID | stat.S_ISGID
 
 
@@ -44,7 +46,10 @@ class SavedImages:
         return self.config.data_dir / "images"
 
     def _saved(self, name: str) -> dict | None:
-        """The manifest of saved image ``name``, or None if there is none."""
+        """The manifest of saved (or built) image ``name``, or None if there is none; a
+        build step's (``step:<key>``) for the sandbox a build runs that step in."""
+        if name.startswith(STEP_PREFIX):
+            return step_manifest(self, name[len(STEP_PREFIX):])
         if not _NAME.match(name):
             return None
         try:
@@ -76,42 +81,74 @@ class SavedImages:
             users.update(rec.id for rec in self.records.live() if rec.image == name)
         return sorted(users)
 
-    # --------------------------------------------------------------------- save
-    async def save_image(self, sandbox_id: str, name: str) -> dict:
-        """Freeze ``sandbox_id``'s filesystem as image ``name``; returns the image's info."""
+    def check_image_name(self, name: object) -> None:
+        """InvalidRequest unless ``name`` can name a new image; Conflict if it is taken."""
         if not isinstance(name, str) or not _NAME.match(name):
             raise errors.InvalidRequest(
                 "an image name is 1-64 of a-z 0-9 . _ - and starts with a letter or digit")
         if name in KNOWN_IMAGES or name in RESERVED:
             raise errors.Conflict(f"image name {name!r} is reserved")
+        if self._saved(name) is not None:
+            raise errors.Conflict(f"image {name!r} exists; remove it first")
+
+    # --------------------------------------------------------------------- save
+    async def save_image(self, sandbox_id: str, name: str) -> dict:
+        """Freeze ``sandbox_id``'s filesystem as image ``name``; returns the image's info.
+
+        Holds the sandbox's lock (as fork does): a merge or restore cannot swap its body
+        while its layers are captured, and a call under way finishes first."""
+        self.check_image_name(name)
         sb = self.get(sandbox_id)
+        if sb.record.image == HOST:
+            raise errors.InvalidRequest(
+                "a sandbox of image 'host' cannot be saved: its root is the host's own")
         lock = self.__dict__.setdefault("_image_lock", asyncio.Lock())
-        async with lock:
-            if self._saved(name) is not None:
-                raise errors.Conflict(f"image {name!r} exists; remove it first")
-            body = sb.body
-            volume = await asyncio.to_thread(self._capture, body)
-            stack = body.layers
-            try:
-                manifest = {
-                    "name": name,
-                    "kind": "saved",
-                    "created": time.time(),
-                    "from_sandbox": sb.id,
-                    "from_image": sb.record.image,
-                    "volume": str(volume),
-                    # top first: this image's layer, then what the sandbox stood on
-                    # (its base layers but the agent's, which every sandbox gets anew)
-                    "lowers": [str(volume / "upper"), *map(str, stack.base[1:])],
-                    "python_path": self.image_python(sb.record.image),
-                    "size_bytes": await asyncio.to_thread(_usage, volume / "upper"),
-                }
-                self._images_dir().mkdir(parents=True, exist_ok=True)
-                write_atomically(self._images_dir() / f"{name}.json", json.dumps(manifest))
-            except BaseException:
-                self.layers.backend.delete(volume)
-                raise
+        await self._acquire(sb, self.config.busy_wait)
+        try:
+            async with lock:
+                self.check_image_name(name)
+                manifest = await self._save_locked(sb, name)
+        finally:
+            self._unlock(sb)
         return self._image_info(manifest)
+
+    async def _save_locked(self, sb, name: str) -> dict:
+        body = sb.body
+        volume = await asyncio.to_thread(self._capture, body)
+        stack = body.layers
+        try:
+            manifest = {
+                "name": name,
+                "kind": "saved",
+                "created": time.time(),
+                "from_sandbox": sb.id,
+                "from_image": sb.record.image,
+                "volume": str(volume),
+                # top first: this image's layer, then what the sandbox stood on
+                # (its base layers but the agent's, which every sandbox gets anew)
+                "lowers": [str(volume / "upper"), *map(str, stack.base[1:])],
+                "python_path": self.image_python(sb.record.image),
+                # what the sandbox's image gave its sandboxes, its sandboxes get too
+                **{k: v for k, v in (self._saved(sb.record.image) or {}).items()
+                   if k in ("env", "workdir")},
+                "size_bytes": await asyncio.to_thread(_usage, volume / "upper"),
+            }
+            self._images_dir().mkdir(parents=True, exist_ok=True)
+            write_atomically(self._images_dir() / f"{name}.json", json.dumps(manifest))
+        except BaseException:
+            self.layers.backend.delete(volume)
+            raise
+        return manifest
+
+    def layer_bytes(self, path: Path) -> int:
+        """Bytes a layer directory holds (for an image's size)."""
+        return _usage(path)
+
+    def image_defaults(self, image: str) -> tuple[dict[str, str], str | None]:
+        """The environment and working directory sandboxes of ``image`` start with (a
+        built image's ENV and WORKDIR)."""
+        manifest = self._saved(image) or {}
+        return dict(manifest.get("env") or {}), manifest.get("workdir")
 
     def _capture(self, body) -> Path:
         """A new store volume whose upper/ is ``body``'s root as it is now, minus the
@@ -166,36 +203,43 @@ class SavedImages:
         return out
 
     def _image_info(self, manifest: dict) -> dict:
-        return {"name": manifest["name"], "kind": "saved", "built": True,
+        return {"name": manifest["name"], "kind": manifest.get("kind", "saved"), "built": True,
                 "created": manifest.get("created"), "size_bytes": manifest.get("size_bytes"),
                 "python": manifest.get("python_path"), "from_image": manifest.get("from_image"),
                 "from_sandbox": manifest.get("from_sandbox"),
+                "steps": len(manifest.get("steps") or []) or None,
+                "build_seconds": manifest.get("build_seconds"),
                 "users": self._users_of(manifest["name"])}
 
     async def remove_image(self, name: str) -> None:
-        """Delete saved image ``name``; refused while a sandbox or another image uses it."""
+        """Delete saved or built image ``name``; refused while a sandbox uses it, or while
+        another image stands on a saved image's layer. A built image's steps stay cached
+        while another image refers to them; the others go with it."""
         if name in KNOWN_IMAGES:
             raise errors.Conflict(
                 f"image {name!r} is built in (rebuilt on use); only saved images can be removed")
         lock = self.__dict__.setdefault("_image_lock", asyncio.Lock())
         async with lock:
-            manifest = self._saved(name)
+            manifest = self._saved(name) if not name.startswith(STEP_PREFIX) else None
             if manifest is None:
                 raise errors.InvalidRequest(f"no image {name!r}; `branchbox image ls` lists them")
             users = self._users_of(name)
             if users:
                 raise errors.Conflict(
                     f"image {name!r} is used by {len(users)} sandbox(es): {', '.join(users)}")
-            top = manifest["lowers"][0]
+            own = manifest["lowers"][0] if manifest.get("volume") else None
             built_on = [m["name"] for m in self._saved_all()
-                        if m["name"] != name and top in m.get("lowers", [])]
+                        if m["name"] != name and own in m.get("lowers", [])]
             if built_on:
                 raise errors.Conflict(
                     f"image {name!r} is the base of image(s) {', '.join(built_on)}")
             await self._drop_warm_of(name)
             (self._images_dir() / f"{name}.json").unlink()
             self._base_cache.pop(name, None)
-            await asyncio.to_thread(self.layers.backend.delete, Path(manifest["volume"]))
+            if own is not None:
+                self.ids.forget(Path(own))  # the slots' id-mapped views of it
+                await asyncio.to_thread(self.layers.backend.delete, Path(manifest["volume"]))
+            await asyncio.to_thread(collect_steps, self)
 
     async def _drop_warm_of(self, image: str) -> None:
         """Stop the warm sandboxes kept for ``image`` (nobody asked for them)."""

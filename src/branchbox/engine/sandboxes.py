@@ -262,7 +262,9 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints)
         _check_env(env)
         policy = await self.net.resolve(self.net.policy_of(internet, network))
         host = self._workspace_host(workspace) if workspace is not None else None
-        cwd = cwd or "/root"
+        image_env, workdir = self.image_defaults(image)  # a built image's ENV and WORKDIR
+        env = {**image_env, **(env or {})} or None
+        cwd = cwd or workdir or "/root"
         if not cwd.startswith("/") or ".." in cwd.split("/") or "\0" in cwd:
             raise errors.InvalidRequest(f"cwd must be an absolute path without '..': {cwd!r}")
         if memory_mb is not None and not 16 <= memory_mb <= 1 << 20:

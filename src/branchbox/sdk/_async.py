@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
 import httpx
 
+from branchbox.sdk import _build
 from branchbox.sdk._checkpoints import AsyncCheckpoint
 from branchbox.sdk._deadline import within
 from branchbox.sdk._errors import SandboxError, SandboxNotFound
@@ -262,6 +264,24 @@ class AsyncSandbox:
         ``AsyncSandbox(image=name)`` starts from it, sharing its layers. Returns the
         image's info; ``Conflict`` if the name is taken."""
         return await self._api.call("POST", self._url("/save_image"), json={"name": name})
+
+    @staticmethod
+    async def build_image(name: str, spec: str, context: str | Path | None = None, *,
+                          internet: bool | None = None,
+                          on_event: Callable[[dict], None] | None = None,
+                          url: str | None = None, api_key: str | None = None,
+                          transport: httpx.AsyncBaseTransport | None = None) -> dict:
+        """Build image ``name`` from ``spec`` (a Dockerfile subset: FROM, RUN, ENV, WORKDIR,
+        COPY) with directory ``context`` for COPY; ``on_event`` gets each ``step`` and
+        ``output`` line. Returns the image's info; ``ImageBuildFailed`` (with the step's
+        output) if a step fails, and then no image exists."""
+        body = _build.context_tar(spec, context)
+        api = Api(url, api_key, transport)
+        try:
+            await api.ready()
+            return await _build.build(api, name, body, internet, on_event)
+        finally:
+            await api.release()
 
     @staticmethod
     async def list_images(*, url: str | None = None, api_key: str | None = None,

@@ -86,6 +86,10 @@ class PayloadTooLarge(SandboxError):
     hint = "split the file, or raise the server's --max-upload-mb"
 
 
+class ImageBuildFailed(SandboxError):
+    hint = "fix the failing step (its output is above); no image was made"
+
+
 # The server's error "type" -> exception, with the HTTP status that means the same thing
 # when a reply carries no type (a proxy's error page, an older server).
 _TABLE: dict[str, tuple[type[SandboxError], int | None]] = {
@@ -101,6 +105,7 @@ _TABLE: dict[str, tuple[type[SandboxError], int | None]] = {
     "ReplGone": (ReplGone, 410),
     "CommandNotFound": (CommandNotFound, None),
     "PayloadTooLarge": (PayloadTooLarge, 413),
+    "ImageBuildFailed": (ImageBuildFailed, 422),
 }
 _BY_STATUS = {status: cls for cls, status in _TABLE.values() if status is not None}
 

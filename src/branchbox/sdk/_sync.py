@@ -9,7 +9,7 @@ sandboxes, handles and iterators into their blocking counterparts). Callbacks
 from __future__ import annotations
 
 import builtins
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 
@@ -88,6 +88,16 @@ class Sandbox:
     run_code = blocking(AsyncSandbox.run_code)
     commit = blocking(AsyncSandbox.commit)
     save_image = blocking(AsyncSandbox.save_image)
+
+    @staticmethod
+    def build_image(name: str, spec: str, context: str | Path | None = None, *,
+                    internet: bool | None = None, on_event: Callable[[dict], None] | None = None,
+                    url: str | None = None, api_key: str | None = None,
+                    transport: httpx.AsyncBaseTransport | None = None) -> dict:
+        """See ``AsyncSandbox.build_image``."""
+        return portal.run(AsyncSandbox.build_image(
+            name, spec, context, internet=internet, on_event=on_event, url=url,
+            api_key=api_key, transport=transport))
 
     @staticmethod
     def list_images(*, url: str | None = None, api_key: str | None = None,

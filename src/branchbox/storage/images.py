@@ -101,15 +101,17 @@ class ImageBuildError(RuntimeError):
 
 
 def ensure_image(
-    name: str = "default", cache_dir: Path = DEFAULT_CACHE_DIR, progress: bool = True
+    name: str = "default", cache_dir: Path = DEFAULT_CACHE_DIR, progress: bool = True,
+    spec: ImageSpec | None = None,
 ) -> Path:
-    """Return the rootfs directory of image ``name``, building it first if needed.
+    """Return the rootfs directory of image ``name``, building it first if needed
+    (from ``spec``, else from the built-in spec of that name).
 
     Its files are owned by ``UID_BASE`` + the id they have inside a sandbox.
     With ``progress`` a progress bar goes to stderr during a build; without,
     nothing is printed.
     """
-    spec = KNOWN_IMAGES.get(name)
+    spec = spec or KNOWN_IMAGES.get(name)
     if spec is None:
         raise ImageNotFound(f"unknown image {name!r}; known images: {', '.join(KNOWN_IMAGES)}")
     image_dir = Path(cache_dir) / name
