@@ -44,6 +44,7 @@ from pydantic import ValidationError
 from branchbox.mcp_server.calls import CALLS, ToolFailure, partial_output
 from branchbox.mcp_server.holdings import Holdings
 from branchbox.mcp_server.tools import BY_NAME, TOOLS
+from branchbox.sdk import SandboxError
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +89,12 @@ def build(url: str | None = None, api_key: str | None = None) -> Server[Holdings
             return await CALLS[tool.name](await session_holdings(ctx), args)
         except ToolFailure as exc:
             return failure(str(exc))
-        except Exception as exc:  # SandboxError and anything unforeseen: a tool error
-            if not hasattr(exc, "kind"):
-                log.exception("tool %s failed", tool.name)
+        except SandboxError as exc:  # typed: its name, the server's message and a hint
             output = partial_output(getattr(exc, "result", None))
             return failure(f"{type(exc).__name__}: {exc}" + (f"\n{output}" if output else ""))
+        except Exception as exc:  # a bug of ours: logged, and still only this call fails
+            log.exception("tool %s failed", tool.name)
+            return failure(f"internal error in {tool.name}: {type(exc).__name__}: {exc}")
 
     return Server("branchbox", version=_version(), instructions=INSTRUCTIONS,
                   lifespan=lifespan, on_list_tools=list_tools, on_call_tool=call_tool)
