@@ -1,4 +1,5 @@
-"""Shell commands: ``exec`` (foreground or background) and ``wait``, ``kill``, ``ps``.
+"""Shell commands: ``exec`` (foreground or background) and ``wait``, ``kill``, ``ps``,
+``follow``, ``input``, ``close_stdin``.
 
 A command never blocks the loop: its pipes and a pidfd are watched by the
 agent's selector, so the agent keeps answering (files, other commands, fork)
@@ -26,6 +27,7 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -83,6 +85,7 @@ class Command:
         rid: int | None,
         limit: OutputLimit,
         timeout: float | None,
+        stdin: int | None = None,
     ) -> None:
         self.table = table
         self.agent = table.agent
@@ -98,6 +101,11 @@ class Command:
         self.exit_code: int | None = None
         self.timed_out = False
         self.waiters: list[tuple[int, Timer | None]] = []
+        # follow requests, answered at exit, each with its own decoders (stdout, stderr)
+        self.followers: dict[int, dict[str, codecs.IncrementalDecoder]] = {}
+        self.stdin = stdin  # the write end of its stdin pipe, if it was started with one
+        if stdin is not None:
+            os.set_blocking(stdin, False)  # a command that does not read must not stall us
         self._saw_not_found = False
         self._err_tail = b""
         assert proc.stdout is not None and proc.stderr is not None
@@ -146,6 +154,8 @@ class Command:
         kept = self.limit.take(data)
         if self.rid is None:
             stream.kept += kept
+            for rid in self.followers:
+                self.send_followed(rid, stream.name, kept)
             return
         text = stream.decoder.decode(kept)
         if text:
@@ -173,6 +183,7 @@ class Command:
             self._pidfd = None
         if self._timer is not None:
             self._timer.cancel()
+        self.close_stdin()
         code = self.proc.returncode
         assert code is not None
         self.exit_code = 128 - code if code < 0 else code
@@ -181,6 +192,50 @@ class Command:
             self.table.finished(self)
         else:
             self._answer(self.rid)
+
+    def follow(self, rid: int) -> None:
+        """Send ``rid`` what the command kept so far, then its output as it comes."""
+        self.followers[rid] = {
+            s.name: codecs.getincrementaldecoder("utf-8")(errors="replace") for s in self.streams}
+        for stream in self.streams:
+            for start in range(0, len(stream.kept), _READ_SIZE):
+                self.send_followed(rid, stream.name, stream.kept[start:start + _READ_SIZE])
+
+    def send_followed(self, rid: int, name: str, data: bytes | bytearray) -> None:
+        text = self.followers[rid][name].decode(data)
+        if text:
+            self.agent.event(rid, name, data=text)
+
+    def end_followers(self) -> None:
+        """Answer every follower with the command's exit."""
+        end = {"exit_code": self.exit_code, "timed_out": self.timed_out, "following": True}
+        for rid, decoders in self.followers.items():
+            for name, decoder in decoders.items():
+                if tail := decoder.decode(b"", final=True):
+                    self.agent.event(rid, name, data=tail)
+            self.agent.done(rid, end)
+        self.followers.clear()
+
+    def write_stdin(self, data: bytes) -> None:
+        """Write all of ``data`` to the command's stdin now, or fail: the agent cannot wait
+        for a command that does not read."""
+        if self.stdin is None:
+            raise RequestError("InvalidRequest", f"command {self.pid} has no open stdin "
+                               "(start it with stdin, and before closing it)")
+        try:
+            written = os.write(self.stdin, data) if data else 0
+        except BrokenPipeError:
+            raise RequestError("InvalidRequest", f"command {self.pid} closed its stdin") from None
+        except BlockingIOError:
+            written = 0
+        if written < len(data):
+            raise RequestError("Conflict", f"stdin of command {self.pid} is full: it took "
+                               f"{written} of {len(data)} bytes (is it reading?)")
+
+    def close_stdin(self) -> None:
+        if self.stdin is not None:
+            os.close(self.stdin)
+            self.stdin = None
 
     def _drain(self, stream: _Stream) -> None:
         left = _DRAIN_LIMIT
@@ -235,6 +290,7 @@ class Command:
                 stream.pipe.close()
         if self._pidfd is not None:
             os.close(self._pidfd)
+        self.close_stdin()
         # Not our child here. Without a returncode, Popen.__del__ would waitpid() the pid, and
         # once the parent has reaped it that number may belong to one of *our* children.
         self.proc.returncode = -signal.SIGKILL
@@ -255,8 +311,9 @@ def _fit(
         stdout, stderr = cut_out, cut_err
 
 
-def _spawn(req: dict, spawner: Callable[[], int] | None) -> tuple[Process, str, bool]:
-    """Start the command of an exec request; returns (process, display text, via bash?)."""
+def _spawn(req: dict, spawner: Callable[[], int] | None) -> tuple[Process, str, bool, int | None]:
+    """Start the command of an exec request; returns (process, display text, via bash?, the
+    write end of its stdin pipe if the request asked for one)."""
     cmd = req.get("cmd")
     if isinstance(cmd, str) and cmd:
         argv, display, shell = ["/bin/bash", "-c", cmd], cmd, True
@@ -272,16 +329,17 @@ def _spawn(req: dict, spawner: Callable[[], int] | None) -> tuple[Process, str, 
     env = param(req, "env", dict, {})
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise RequestError("InvalidRequest", "field 'env' must map strings to strings")
+    stdin_r, stdin_w = os.pipe() if param(req, "stdin", bool, False) else (None, None)
     sock = spawner() if spawner else -1
     try:
         if sock >= 0:
-            proc: Process = spawn(sock, argv, cwd, {**os.environ, **env})
+            proc: Process = spawn(sock, argv, cwd, {**os.environ, **env}, stdin_r)
         else:  # the agent run bare, outside a sandbox
             proc = subprocess.Popen(
                 argv,
                 cwd=cwd,
                 env={**os.environ, **env},
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL if stdin_r is None else stdin_r,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 bufsize=0,
@@ -297,7 +355,12 @@ def _spawn(req: dict, spawner: Callable[[], int] | None) -> tuple[Process, str, 
         if exc.errno in (errno.EACCES, errno.ENOEXEC, errno.E2BIG):
             raise RequestError("InvalidRequest", f"cannot run {argv[0]}: {exc.strerror}") from exc
         raise
-    return proc, display, shell
+    finally:
+        if stdin_r is not None:
+            os.close(stdin_r)
+        if stdin_w is not None and sys.exc_info()[0] is not None:
+            os.close(stdin_w)
+    return proc, display, shell, stdin_w
 
 
 class Commands:
@@ -318,7 +381,7 @@ class Commands:
         background = param(req, "background", bool, False)
         timeout = timeout_param(req)
         limit = output_limit(req)
-        proc, display, shell = _spawn(req, self.spawner)
+        proc, display, shell, stdin = _spawn(req, self.spawner)
         command = Command(
             self,
             proc,
@@ -327,6 +390,7 @@ class Commands:
             rid=None if background else rid,
             limit=limit,
             timeout=timeout,
+            stdin=stdin,
         )
         if background:
             self.background[command.pid] = command
@@ -354,11 +418,13 @@ class Commands:
         self.agent.fail(rid, "Timeout", message)
 
     def finished(self, command: Command) -> None:
-        """A background command exited: answer its waiters, if any are waiting yet."""
+        """A background command exited: answer its followers and its waiters, if any."""
+        if command.followers:
+            self._end_followers(command)
         if not command.waiters:
             return
         result = command.result()
-        del self.background[command.pid]
+        self.background.pop(command.pid, None)
         for rid, timer in command.waiters:
             if timer is not None:
                 timer.cancel()
@@ -378,11 +444,39 @@ class Commands:
 
     def handle_cancel(self, agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None:
         """``cancel`` {target}: the daemon's caller of foreground exec ``target`` went away;
-        kill the command's process group (its request still ends, unread)."""
+        kill the command's process group (its request still ends, unread). A ``follow``
+        request ``target`` just ends; its command runs on."""
         target = param(req, "target", int)
         for command in self.foreground:
             if command.rid == target and command.exit_code is None:
                 command.signal(signal.SIGKILL)
+        for command in self.background.values():
+            if command.followers.pop(target, None) is not None:
+                agent.done(target, {"exit_code": None, "following": False})
+        agent.done(req["rid"], {})
+
+    def handle_follow(self, agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None:
+        """``follow`` {pid}: a background command's output as stdout/stderr events (raw
+        bytes; what it kept so far first), then done with its exit when it exits. A
+        command whose end a follower received is gone from the table (nobody waits)."""
+        command = self._find(req)
+        command.follow(req["rid"])
+        if command.exit_code is not None:
+            self._end_followers(command)
+
+    def _end_followers(self, command: Command) -> None:
+        command.end_followers()
+        if not command.waiters:
+            self.background.pop(command.pid, None)
+
+    def handle_input(self, agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None:
+        """``input`` {pid} + payload: bytes for a background command's stdin."""
+        self._find(req).write_stdin(payload)
+        agent.done(req["rid"], {})
+
+    def handle_close_stdin(self, agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None:
+        """``close_stdin`` {pid}: end of input for a background command."""
+        self._find(req).close_stdin()
         agent.done(req["rid"], {})
 
     def handle_ps(self, agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None:
@@ -393,6 +487,7 @@ class Commands:
                 "cmd": c.display,
                 "running": c.exit_code is None,
                 "exit_code": c.exit_code,
+                "stdin": c.stdin is not None,
             }
             for c in self.background.values()
         ]

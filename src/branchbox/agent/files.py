@@ -1,4 +1,4 @@
-"""File operations: read, write, list, exists, remove, stat.
+"""File operations: read, write, list, exists, remove, stat, mkdir, move.
 
 Paths must be absolute; ``.`` components and repeated or trailing slashes are
 normalised away, ``..`` components and NUL are refused, so a path names what
@@ -152,6 +152,32 @@ def handle_remove(agent: Agent, req: dict, payload: bytes, fds: list[int]) -> No
         else:
             raise RequestError("InvalidRequest", f"is a directory (use recursive): {path}")
     agent.done(req["rid"], {})
+
+
+def handle_mkdir(agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None:
+    """``mkdir`` {path}: the directory and its missing parents; done {"created"}, false if
+    a directory was there already."""
+    path = _path(req)
+    with _os_errors(path):
+        if os.path.isdir(path):
+            created = False
+        else:
+            os.makedirs(path)
+            created = True
+    agent.done(req["rid"], {"created": created, **_entry(path, os.lstat(path))})
+
+
+def handle_move(agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None:
+    """``move`` {source, destination}: rename (parents of the destination are made), or
+    copy and remove across filesystems; done with the destination's entry."""
+    source = check_path(param(req, "source", str))
+    destination = check_path(param(req, "destination", str))
+    with _os_errors(source):
+        os.lstat(source)
+        os.makedirs(os.path.dirname(destination), exist_ok=True)
+        shutil.move(source, destination)
+        st = os.lstat(destination)
+    agent.done(req["rid"], _entry(destination, st))
 
 
 class _Upload:

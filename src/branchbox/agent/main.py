@@ -19,6 +19,8 @@ from .files import (
     Uploads,
     handle_exists,
     handle_list,
+    handle_mkdir,
+    handle_move,
     handle_read,
     handle_remove,
     handle_stat,
@@ -44,17 +46,23 @@ def register_ops(agent: Agent, spawner: Callable[[], int] | None = None) -> None
     uploads = Uploads(agent)
     agent.register("ping", handle_ping)
     agent.register("run_code", repl.handle_run_code)
+    agent.register("context", repl.handle_context)
     agent.register("exec", commands.handle_exec)
     agent.register("wait", commands.handle_wait)
     agent.register("kill", commands.handle_kill)
     agent.register("ps", commands.handle_ps)
     agent.register("cancel", commands.handle_cancel)
+    agent.register("follow", commands.handle_follow)
+    agent.register("input", commands.handle_input)
+    agent.register("close_stdin", commands.handle_close_stdin)
     agent.register("read", handle_read)
     agent.register("write", uploads.handle_write)
     agent.register("list", handle_list)
     agent.register("exists", handle_exists)
     agent.register("remove", handle_remove)
     agent.register("stat", handle_stat)
+    agent.register("mkdir", handle_mkdir)
+    agent.register("move", handle_move)
 
 
 def run(ctrl_fd: int) -> None:

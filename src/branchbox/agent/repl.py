@@ -12,6 +12,12 @@ when the call ends: with one thread nobody could drain a pipe while user code
 runs, and a full pipe would deadlock the call. The two kinds of output are
 therefore not interleaved in time.
 
+Contexts: besides the main namespace, named ones (E2B's code contexts) each hold
+their own variables and, optionally, a working directory that is current while
+their cells run. They are namespaces of this one interpreter, not processes:
+they cost nothing to create, are inherited by fork children with the rest of
+the REPL, and share imported modules (as threads of one program would).
+
 Interrupts: SIGINT (sent by the daemon) and SIGALRM (the call's timeout) raise
 KeyboardInterrupt in user code, except while a frame is being written: then it
 is raised once the frame is complete, because half a frame would wreck the
@@ -42,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .forking import take_warning as take_fork_warning
-from .server import Agent, OutputLimit, output_limit, param, timeout_param
+from .server import Agent, OutputLimit, RequestError, output_limit, param, timeout_param
 
 MAX_REPR = 1024 * 1024
 """Characters of a trailing expression's repr kept in the result (JSON-escaped, a few MiB)."""
@@ -199,6 +205,18 @@ def _flush_stdio() -> None:
     _libc_fflush(None)
 
 
+def _fresh_namespace() -> dict[str, Any]:
+    return {"__name__": "__main__", "__builtins__": builtins}
+
+
+@dataclass
+class _Context:
+    """A named namespace of the REPL (see the module docstring)."""
+
+    cwd: str | None
+    namespace: dict[str, Any] = field(default_factory=_fresh_namespace)
+
+
 @dataclass
 class _Outcome:
     text: str | None = None
@@ -218,6 +236,7 @@ class Repl:
         # User code *is* __main__, so pickle finds the functions and classes it defines.
         sys.modules["__main__"] = main
         self.namespace = main.__dict__
+        self.contexts: dict[str, _Context] = {}
         self.call: _Call | None = None
         self.stdout = _Writer(self, "stdout", 1)
         self.stderr = _Writer(self, "stderr", 2)
@@ -230,10 +249,12 @@ class Repl:
         warnings.filterwarnings("ignore", message="FigureCanvasAgg is non-interactive")
 
     def handle_run_code(self, agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None:
-        """``run_code`` {code, timeout?, max_output?}: stdout/stderr events, then done."""
+        """``run_code`` {code, timeout?, max_output?, context?}: stdout/stderr events, then
+        done. With ``context``, the cell runs in that named context."""
         rid = req["rid"]
         code = param(req, "code", str)
         timeout = timeout_param(req)
+        context = self._context(param(req, "context", str, None))
         call = _Call(rid, output_limit(req))
         started = time.monotonic()
         if sys.stdin is None or sys.stdin.closed:
@@ -242,8 +263,11 @@ class Repl:
         capture = _FdCapture()
         sys.stdout, sys.stderr = self.stdout, self.stderr
         self.call = call
+        home = os.getcwd() if context and context.cwd else None
         try:
-            outcome = self._run(code, timeout)
+            if home is not None:
+                os.chdir(context.cwd)
+            outcome = self._run(code, timeout, context.namespace if context else self.namespace)
             if os.getpid() != call.pid:
                 # User code forked and did not exit: this child must never reach the loop.
                 os._exit(0 if outcome.error is None else 1)
@@ -255,6 +279,9 @@ class Repl:
             capture.close()
             sys.stdout, sys.stderr = saved
             self.call = None
+            if home is not None:
+                with contextlib.suppress(OSError):  # the cell removed it: stay
+                    os.chdir(home)
         if call.limit.truncated:
             self._send(rid, "stderr", call.limit.marker())
         agent.done(
@@ -270,6 +297,38 @@ class Repl:
                 "warnings": [w for w in (take_fork_warning(),) if w],
             },
         )
+
+    def handle_context(self, agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None:
+        """``context`` {action: create|reset|remove|list, id?, cwd?}: named contexts."""
+        action = param(req, "action", str)
+        if action == "list":
+            agent.done(req["rid"], {"contexts": [
+                {"id": name, "cwd": ctx.cwd} for name, ctx in self.contexts.items()]})
+            return
+        name = param(req, "id", str)
+        if action == "create":
+            cwd = param(req, "cwd", str, None)
+            if cwd is not None and not os.path.isdir(cwd):
+                raise RequestError("InvalidRequest", f"cwd does not exist: {cwd}")
+            if name in self.contexts:
+                raise RequestError("Conflict", f"context {name!r} exists already")
+            self.contexts[name] = _Context(cwd)
+        elif action == "reset":
+            self._context(name).namespace = _fresh_namespace()
+        elif action == "remove":
+            self._context(name)
+            del self.contexts[name]
+        else:
+            raise RequestError("InvalidRequest", f"unknown context action {action!r}")
+        agent.done(req["rid"], {"id": name})
+
+    def _context(self, name: str | None) -> _Context | None:
+        if name is None:
+            return None
+        context = self.contexts.get(name)
+        if context is None:
+            raise RequestError("NotFound", f"no context {name!r} in this sandbox")
+        return context
 
     # -- output -----------------------------------------------------------------------------
 
@@ -303,7 +362,7 @@ class Repl:
 
     # -- running a cell ---------------------------------------------------------------------
 
-    def _run(self, code: str, timeout: float | None) -> _Outcome:
+    def _run(self, code: str, timeout: float | None, namespace: dict[str, Any]) -> _Outcome:
         self._count += 1
         filename = f"<cell-{self._count}>"
         # Tracebacks show the cell's lines, also later, from functions the cell defined.
@@ -322,11 +381,11 @@ class Repl:
                 # into this try would raise its KeyboardInterrupt outside it (a 500).
                 if timeout is not None:
                     signal.setitimer(signal.ITIMER_REAL, timeout)
-                exec(body, self.namespace)
+                exec(body, namespace)
                 if last is not None:
-                    value = eval(last, self.namespace)
+                    value = eval(last, namespace)
                     if value is not None:
-                        self.namespace["_"] = value
+                        namespace["_"] = value
                         outcome.text, outcome.results = self._display(value)
             except BaseException as exc:  # SystemExit and KeyboardInterrupt are results too
                 failure = exc

@@ -52,14 +52,19 @@ def _request(argv: list[str], cwd: str, env: dict[str, str]) -> bytes:
     return b"".join(os.fsencode(part) + b"\0" for part in parts)
 
 
-def spawn(spawner: int, argv: list[str], cwd: str | None, env: dict[str, str]) -> Spawned:
-    """Start ``argv`` in Q; OSError as Popen raises it (filename = cwd or argv[0])."""
+def spawn(spawner: int, argv: list[str], cwd: str | None, env: dict[str, str],
+          stdin: int | None = None) -> Spawned:
+    """Start ``argv`` in Q; OSError as Popen raises it (filename = cwd or argv[0]).
+
+    ``stdin`` (a descriptor the caller keeps and closes) is the command's stdin, else
+    /dev/null."""
     cwd = cwd or os.getcwd()
     request = _request(argv, cwd, env)
     memfd = os.memfd_create("bb-spawn", os.MFD_CLOEXEC)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
-    stdin = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+    null = os.O_RDONLY | os.O_CLOEXEC
+    stdin = os.open("/dev/null", null) if stdin is None else os.dup(stdin)
     sock = socket.socket(fileno=os.dup(spawner))
     try:
         os.write(memfd, request)

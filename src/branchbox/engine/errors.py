@@ -87,4 +87,5 @@ AGENT_ERRORS: dict[str, type[EngineError]] = {
     "NotFound": FileNotFound,
     "CommandNotFound": CommandNotFound,
     "Timeout": SandboxTimeout,
+    "Conflict": Conflict,
 }

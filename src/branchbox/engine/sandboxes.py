@@ -63,7 +63,8 @@ DEFAULT_ENV = {
 # sandbox's mapped root, which may not traverse a private data directory's parents.
 ATTACH_DIR = Path("/run/branchbox/attach")
 # Requests that never touch the REPL's interpreter state, so they skip its lock.
-_LOCK_FREE_OPS = {"ping", "wait", "kill", "ps"}
+# (follow streams a background command's output for as long as it runs.)
+_LOCK_FREE_OPS = {"ping", "wait", "kill", "ps", "follow", "input", "close_stdin"}
 
 
 class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints):
@@ -208,6 +209,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints)
             else sb.body.layers.disk_bytes >> 20,
             "resources": usage,
             "last_fork": sb.last_fork,
+            "labels": rec.meta.get("labels") or {},
         }
 
     # ------------------------------------------------------------------- create
@@ -382,12 +384,44 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints)
                 timeout, self._expire, sb.id
             )
 
+    def set_timeout(self, sandbox_id: str, timeout: float) -> None:
+        """The sandbox now closes ``timeout`` seconds from now, whatever its lifetime was
+        (E2B's ``set_timeout``); a paused sandbox gets that much once resumed."""
+        sb = self.get(sandbox_id)
+        if isinstance(timeout, bool) or not 0 < timeout <= 7 * 86400:
+            raise errors.InvalidRequest("timeout must be between 0 and 604800 seconds")
+        if sb.timer is not None:
+            sb.timer.cancel()
+            sb.timer = None
+        if "timeout_left" in sb.record.meta:  # paused: the clock starts again on resume
+            sb.record.meta = {**sb.record.meta, "timeout_left": timeout}
+        else:
+            sb.timer = asyncio.get_running_loop().call_later(timeout, self._expire, sb.id)
+        self.records.put(sb.record)
+
+    def expires_at(self, sandbox_id: str) -> float | None:
+        """When (UNIX time) the sandbox's lifetime ends, or None if it has none running."""
+        sb = self.get(sandbox_id)
+        if sb.timer is None:
+            return None
+        return time.time() + sb.timer.when() - asyncio.get_running_loop().time()
+
+    def set_labels(self, sandbox_id: str, labels: dict[str, str]) -> None:
+        """Free-form string labels kept with the sandbox (E2B's metadata), inherited by
+        fork children; ``info`` shows them."""
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+            raise errors.InvalidRequest("labels must map strings to strings")
+        sb = self.get(sandbox_id)
+        sb.record.meta = {**sb.record.meta, "labels": dict(labels)}
+        self.records.put(sb.record)
+
     def _on_abandon(self, body: Body, op: str | None, rid: int) -> None:
         """A request whose caller went away: a ``run_code`` is interrupted, a foreground
-        command is killed, so neither runs on (holding the sandbox) for nobody."""
+        command is killed, so neither runs on (holding the sandbox) for nobody; a follow of
+        a background command just ends."""
         if op == "run_code":
             interrupt_repl(body.cgroup, op)
-        elif op == "exec" and body.channel is not None:
+        elif op in ("exec", "follow") and body.channel is not None:
             task = asyncio.get_running_loop().create_task(self._cancel(body.channel, rid))
             self._background.add(task)
             task.add_done_callback(self._background.discard)

@@ -13,7 +13,21 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import PlainTextResponse
 
 from branchbox.engine.sandboxes import Engine
-from branchbox.server import events, execution, files, images, instants, ports, sandboxes
+from branchbox.server import (
+    e2b_control,
+    e2b_envd,
+    e2b_interpreter,
+    events,
+    execution,
+    files,
+    images,
+    instants,
+    ports,
+    sandboxes,
+)
+from branchbox.server.deps import require_api_key
+from branchbox.server.disconnect import DisconnectWatch
+from branchbox.server.e2b_access import require_e2b_key
 from branchbox.server.deps import require_api_key
 from branchbox.server.disconnect import DisconnectWatch
 from branchbox.server.errors import install_error_handlers
@@ -67,4 +81,9 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] = (),
     app.include_router(instants.router, dependencies=[Depends(require_api_key)])
     app.include_router(ports.ws_router)  # checks the same key itself
     app.include_router(ui.router)  # the page checks the key itself (a refusal is HTML)
+    # E2B's SDKs: its control plane with X-API-Key; its sandbox plane with the per-sandbox
+    # token the control plane hands out (checked per request, see e2b_access).
+    app.include_router(e2b_control.router, dependencies=[Depends(require_e2b_key)])
+    app.include_router(e2b_envd.router)
+    app.include_router(e2b_interpreter.router)
     return app

@@ -1,0 +1,265 @@
+"""E2B's control plane (``E2B_API_URL``): create, get, list, kill, timeout, connect, fork,
+pause, resume, network -- the REST routes E2B's published SDK calls, onto the engine.
+
+Shapes follow the SDK's generated client (``e2b/api/client``): camelCase JSON,
+``{"code", "message"}`` errors (plus our ``error``), 201 on create and fork,
+204 on kill and timeout, the next page's token in ``X-Next-Token``.
+
+Mapping: a template is a branchbox image name (E2B's own default template names
+mean the default image); ``timeout`` is the sandbox's lifetime in seconds, as E2B
+sends it; metadata is kept as the sandbox's labels; internet access is on unless
+the client turns it off (E2B's default, unlike branchbox's own); E2B's fork with
+``count`` is the engine's fork of n. A sandbox in E2B's default templates starts in
+``/home/user``.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import urllib.parse
+from collections.abc import Callable, Coroutine
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field
+
+from branchbox.engine import errors
+from branchbox.engine.sandboxes import Engine
+from branchbox.server.deps import EngineDep
+from branchbox.server.e2b_access import access_token
+from branchbox.server.errors import describe, validation_message
+
+# The envd version we answer as: the SDK gates features on it. 0.5.7 is the first with
+# everything we serve (default user, stdin, octet-stream uploads) and none of what we do not
+# (file metadata, entry info in watch events).
+ENVD_VERSION = "0.5.7"
+# Template names E2B's SDKs use by default: they get branchbox's default image.
+DEFAULT_TEMPLATES = frozenset({"base", "code-interpreter-v1", "code-interpreter"})
+E2B_HOME = "/home/user"
+_DEFAULT_TIMEOUT = 15  # seconds: E2B's API default when a client sends none
+_PAGE = 100
+
+
+class E2BRoute(APIRoute):
+    """A route whose failures answer in E2B's error shape, which its SDK reads
+    (``message``), beside our usual ``error``."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def handle(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except RequestValidationError as exc:
+                return e2b_error(400, validation_message(exc))
+            except errors.EngineError as exc:
+                status, message, _ = describe(exc)
+                return e2b_error(status, message)
+
+        return handle
+
+
+def e2b_error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"code": status, "message": message, "error": message},
+                        status_code=status)
+
+
+router = APIRouter(tags=["e2b"], route_class=E2BRoute)
+
+
+class E2BBody(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class E2BNetwork(E2BBody):
+    allow_out: list[str] | None = Field(None, alias="allowOut")
+    deny_out: list[str] | None = Field(None, alias="denyOut")
+
+
+class NewSandbox(E2BBody):
+    template_id: str = Field(alias="templateID", min_length=1, max_length=255)
+    timeout: int | None = Field(None, ge=1, le=7 * 86400)
+    metadata: dict[str, str] | None = None
+    env_vars: dict[str, str] | None = Field(None, alias="envVars")
+    allow_internet_access: bool | None = None
+    network: E2BNetwork | None = None
+
+
+class SandboxTimeout(E2BBody):
+    timeout: int = Field(ge=1, le=7 * 86400)
+
+
+class ConnectSandbox(E2BBody):
+    timeout: int | None = Field(None, ge=1, le=7 * 86400)
+
+
+class ForkSandbox(E2BBody):
+    timeout: int | None = Field(None, ge=1, le=7 * 86400)
+    count: int | None = None
+
+
+def _image(template: str) -> str:
+    return "default" if template in DEFAULT_TEMPLATES else template
+
+
+def _created(request: Request, engine: Engine, sandbox_id: str) -> dict:
+    """E2B's ``Sandbox`` (the answer to create, connect and each fork child)."""
+    info = engine.info(sandbox_id)
+    token = access_token(request, sandbox_id)
+    return {"templateID": info["image"], "sandboxID": sandbox_id, "clientID": "branchbox",
+            "envdVersion": ENVD_VERSION, "envdAccessToken": token,
+            "trafficAccessToken": token, "domain": None}
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+
+
+def _listed(engine: Engine, sandbox_id: str) -> dict:
+    """E2B's ``ListedSandbox`` fields (``SandboxDetail`` adds a few)."""
+    info = engine.info(sandbox_id)
+    ends = engine.expires_at(sandbox_id)
+    return {"templateID": info["image"], "sandboxID": sandbox_id, "clientID": "branchbox",
+            "startedAt": _iso(info["created"]), "endAt": _iso(ends or 253402300799),
+            # Sandboxes share the host's CPUs; memory is unlimited (0) unless one was set.
+            "cpuCount": os.cpu_count() or 1,
+            "memoryMB": engine.get(sandbox_id).record.meta.get("memory_mb") or 0,
+            "diskSizeMB": info["disk_mb"] or 0,
+            "state": "paused" if info["state"] == "paused" else "running",
+            "envdVersion": ENVD_VERSION, "metadata": info["labels"]}
+
+
+@router.post("/v2/sandboxes", status_code=201)
+@router.post("/sandboxes", status_code=201)
+async def create(body: NewSandbox, request: Request, engine: EngineDep) -> dict:
+    """Start a sandbox from a template (= image); answers once it is ready."""
+    image = _image(body.template_id)
+    network = None
+    if body.network is not None:
+        network = {k: v for k, v in (("allow_out", body.network.allow_out),
+                                     ("deny_out", body.network.deny_out)) if v is not None}
+    internet = True if body.allow_internet_access is None else body.allow_internet_access
+    sb = await engine.create(image=image, env=body.env_vars or None,
+                             cwd=E2B_HOME if image == "default" else None,
+                             timeout=body.timeout or _DEFAULT_TIMEOUT,
+                             internet=internet, network=network)
+    engine.set_labels(sb.id, body.metadata or {})
+    return _created(request, engine, sb.id)
+
+
+@router.get("/sandboxes/{sandbox_id}")
+async def get(sandbox_id: str, engine: EngineDep) -> dict:
+    """E2B's ``SandboxDetail``."""
+    info = engine.info(sandbox_id)
+    policy = info["network"] or {}
+    return {**_listed(engine, sandbox_id), "allowInternetAccess": policy.get("internet"),
+            "domain": None}
+
+
+@router.get("/v2/sandboxes")
+async def list_sandboxes(
+    engine: EngineDep, response: Response,
+    metadata: Annotated[str | None, Query(max_length=8192)] = None,
+    state: Annotated[str | None, Query(max_length=64)] = None,
+    next_token: Annotated[str | None, Query(alias="nextToken", max_length=256)] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = _PAGE,
+) -> list[dict]:
+    """Sandboxes whose labels match every ``metadata`` pair (``k=v&...``, URL-encoded),
+    oldest first, ``limit`` a page; the next page's token is in ``X-Next-Token``."""
+    wanted = dict(urllib.parse.parse_qsl(metadata or "", keep_blank_values=True))
+    states = set((state or "running,paused").split(","))
+    rows = [_listed(engine, sb.id) for sb in sorted(engine.list(), key=_order)]
+    rows = [r for r in rows if r["state"] in states
+            and all(r["metadata"].get(k) == v for k, v in wanted.items())]
+    start = _after(rows, next_token)
+    page = rows[start:start + limit]
+    if start + limit < len(rows):
+        response.headers["X-Next-Token"] = base64.urlsafe_b64encode(
+            page[-1]["sandboxID"].encode()).decode()
+    return page
+
+
+@router.get("/sandboxes")
+async def list_sandboxes_v1(engine: EngineDep) -> list[dict]:
+    """The older, unpaged list."""
+    return [_listed(engine, sb.id) for sb in sorted(engine.list(), key=_order)]
+
+
+def _order(sb: Any) -> tuple[float, str]:
+    return sb.record.created, sb.id
+
+
+def _after(rows: list[dict], token: str | None) -> int:
+    """Where the page after ``token`` (the last id of the previous page) starts."""
+    if not token:
+        return 0
+    try:
+        last = base64.urlsafe_b64decode(token.encode()).decode()
+    except ValueError:
+        raise errors.InvalidRequest("nextToken is not a token this server gave") from None
+    ids = [r["sandboxID"] for r in rows]
+    return ids.index(last) + 1 if last in ids else 0
+
+
+@router.delete("/sandboxes/{sandbox_id}", status_code=204, response_class=Response)
+async def kill(sandbox_id: str, engine: EngineDep) -> None:
+    await engine.close(sandbox_id)
+
+
+@router.post("/sandboxes/{sandbox_id}/timeout", status_code=204, response_class=Response)
+async def set_timeout(sandbox_id: str, body: SandboxTimeout, engine: EngineDep) -> None:
+    """The sandbox now ends ``timeout`` seconds from now."""
+    engine.set_timeout(sandbox_id, body.timeout)
+
+
+@router.post("/v2/sandboxes/{sandbox_id}/connect")
+@router.post("/sandboxes/{sandbox_id}/connect")
+async def connect(sandbox_id: str, request: Request, engine: EngineDep, response: Response,
+                  body: Annotated[ConnectSandbox, Body(default_factory=ConnectSandbox)]
+                  ) -> dict:
+    """Attach to a sandbox (200), resuming it first if it was paused (201); ``timeout``
+    extends its lifetime."""
+    if engine.info(sandbox_id)["state"] == "paused":
+        await engine.resume(sandbox_id)
+        response.status_code = 201
+    if body.timeout is not None:
+        engine.set_timeout(sandbox_id, body.timeout)
+    return _created(request, engine, sandbox_id)
+
+
+@router.post("/sandboxes/{sandbox_id}/pause", status_code=204, response_class=Response)
+async def pause(sandbox_id: str, engine: EngineDep) -> None:
+    """Freeze everything in the sandbox (memory kept); connect or resume thaws it."""
+    await engine.pause(sandbox_id)
+
+
+@router.post("/sandboxes/{sandbox_id}/resume", status_code=201)
+async def resume(sandbox_id: str, request: Request, engine: EngineDep,
+                 body: Annotated[ConnectSandbox, Body(default_factory=ConnectSandbox)]) -> dict:
+    await engine.resume(sandbox_id)
+    if body.timeout is not None:
+        engine.set_timeout(sandbox_id, body.timeout)
+    return _created(request, engine, sandbox_id)
+
+
+@router.post("/sandboxes/{sandbox_id}/fork", status_code=201)
+async def fork(sandbox_id: str, request: Request, engine: EngineDep,
+               body: Annotated[ForkSandbox, Body(default_factory=ForkSandbox)]) -> list[dict]:
+    """``count`` children from this instant of the sandbox (memory, files, env, cwd)."""
+    children = await engine.fork(sandbox_id, 1 if body.count is None else body.count)
+    if body.timeout is not None:
+        for child in children:
+            engine.set_timeout(child.id, body.timeout)
+    return [{"sandbox": _created(request, engine, child.id)} for child in children]
+
+
+@router.put("/sandboxes/{sandbox_id}/network", status_code=204, response_class=Response)
+async def update_network(sandbox_id: str, body: E2BNetwork, engine: EngineDep) -> None:
+    lists = {k: v for k, v in (("allow_out", body.allow_out), ("deny_out", body.deny_out))
+             if v is not None}
+    await engine.update_network(sandbox_id, None, lists)

@@ -1,0 +1,323 @@
+"""E2B's in-sandbox daemon (envd) API, served by the daemon for the sandbox a request names:
+process and filesystem RPCs (Connect, JSON codec), ``/files`` up- and download, ``/health``.
+
+Requests arrive on the daemon's own listener (``E2B_SANDBOX_URL`` mode), named by
+``E2b-Sandbox-Id`` or a ``<port>-<id>.<domain>`` Host (see ``e2b_access``). Each call
+is one engine call; the translation, field by field, follows E2B's process and
+filesystem protos (camelCase JSON, bytes as base64, 64-bit integers as strings):
+
+- Process.Start is a background ``exec`` (with a stdin pipe if asked), then a
+  ``follow`` of it: start (pid), data (stdout/stderr), end (exit code). The
+  process outlives the stream, as in E2B: Connect follows it again by pid,
+  SendInput/CloseStdin/SendSignal reach it by pid, List shows the running ones.
+- Filesystem calls are the agent's file ops; a relative path is under
+  ``/home/user``, E2B's home. Watches are inotify watches the agent keeps
+  (CreateWatcher/GetWatcherEvents/RemoveWatcher; WatchDir polls one).
+
+Not served: PTYs, selecting a process by tag, client-streamed input, running as
+another user (commands run as the sandbox's root).
+"""
+
+from __future__ import annotations
+
+import base64
+import shlex
+import signal
+import stat
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import JSONResponse
+
+from branchbox.engine import errors
+from branchbox.engine.sandboxes import Engine
+from branchbox.server import connect_rpc
+from branchbox.server.connect_rpc import RpcError
+from branchbox.server.deps import EngineDep
+from branchbox.server.e2b_access import SandboxId
+from branchbox.server.e2b_control import E2B_HOME, e2b_error
+from branchbox.server.errors import describe
+from branchbox.server.models import check_sandbox_path
+from branchbox.server.streams import bytes_response, opened
+
+router = APIRouter(tags=["e2b sandbox"], include_in_schema=False)
+
+_SIGNALS = {"SIGNAL_SIGKILL": signal.SIGKILL, "SIGNAL_SIGTERM": signal.SIGTERM,
+            9: signal.SIGKILL, 15: signal.SIGTERM}
+_FILE_TYPES = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY",
+               "symlink": "FILE_TYPE_SYMLINK"}
+_MAX_DEPTH = 16
+_MAX_LISTED = 100_000  # entries of one recursive listing
+
+
+def _path(raw: object) -> str:
+    """A sandbox path from a request: relative ones are under E2B's home."""
+    if not isinstance(raw, str) or not raw:
+        raise RpcError("invalid_argument", "path must be a non-empty string")
+    path = raw if raw.startswith("/") else f"{E2B_HOME}/{raw}"
+    try:
+        return check_sandbox_path(path)
+    except ValueError as exc:
+        raise RpcError("invalid_argument", str(exc)) from None
+
+
+def _pid(message: dict) -> int:
+    selector = message.get("process")
+    if not isinstance(selector, dict):
+        raise RpcError("invalid_argument", "process must select a process by pid")
+    pid = selector.get("pid")
+    if "tag" in selector and pid is None:
+        raise RpcError("unimplemented", "selecting a process by tag is not supported")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        raise RpcError("invalid_argument", "process.pid must be a positive integer")
+    return pid
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+# ------------------------------------------------------------------------- processes
+def _start_args(message: dict) -> dict:
+    if message.get("pty"):
+        raise RpcError("unimplemented", "PTY processes are not supported by branchbox")
+    config = message.get("process")
+    if not isinstance(config, dict) or not isinstance(config.get("cmd"), str):
+        raise RpcError("invalid_argument", "process.cmd must be a string")
+    args = config.get("args") or []
+    envs = config.get("envs") or {}
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise RpcError("invalid_argument", "process.args must be a list of strings")
+    if not isinstance(envs, dict) or not all(isinstance(v, str) for v in envs.values()):
+        raise RpcError("invalid_argument", "process.envs must map strings to strings")
+    request: dict = {"cmd": [config["cmd"], *args], "env": envs, "background": True,
+                     "stdin": bool(message.get("stdin"))}
+    if config.get("cwd"):
+        request["cwd"] = _path(config["cwd"])
+    return request
+
+
+async def _follow(engine: Engine, sandbox_id: str, pid: int) -> AsyncIterator[dict]:
+    """A background command as E2B's process events: start, data..., end."""
+    yield {"event": {"start": {"pid": pid}}}
+    async for header, _ in engine.stream(sandbox_id, "follow", {"pid": pid}):
+        kind = header.get("ev")
+        if kind in ("stdout", "stderr"):  # text (the agent decodes UTF-8) as E2B's bytes
+            yield {"event": {"data": {kind: _b64(header["data"].encode())}}}
+        elif kind == "done" and (result := header.get("result") or {}).get("following"):
+            code = result.get("exit_code")
+            yield {"event": {"end": {"exitCode": code, "exited": True,
+                                     "status": f"exit status {code}"}}}
+
+
+@router.post("/process.Process/Start")
+async def process_start(request: Request, sandbox_id: SandboxId, engine: EngineDep
+                        ) -> Response:
+    async def events(message: dict) -> AsyncIterator[dict]:
+        started = await engine.call(sandbox_id, "exec", _start_args(message))
+        async for event in _follow(engine, sandbox_id, started["pid"]):
+            yield event
+
+    return await connect_rpc.server_stream(request, events)
+
+
+@router.post("/process.Process/Connect")
+async def process_connect(request: Request, sandbox_id: SandboxId, engine: EngineDep
+                          ) -> Response:
+    return await connect_rpc.server_stream(
+        request, lambda message: _follow(engine, sandbox_id, _pid(message)))
+
+
+def _rpc(request: Request, handler: Callable[[dict], Awaitable[dict]]) -> Awaitable[Response]:
+    return connect_rpc.unary(request, handler)
+
+
+@router.post("/process.Process/List")
+async def process_list(request: Request, sandbox_id: SandboxId, engine: EngineDep) -> Response:
+    async def handle(_: dict) -> dict:
+        commands = (await engine.call(sandbox_id, "ps"))["commands"]
+        processes = []
+        for command in commands:
+            if not command["running"]:
+                continue
+            argv = shlex.split(command["cmd"])
+            processes.append({"pid": command["pid"],
+                              "config": {"cmd": argv[0] if argv else "", "args": argv[1:]}})
+        return {"processes": processes}
+
+    return await _rpc(request, handle)
+
+
+@router.post("/process.Process/SendInput")
+async def process_send_input(request: Request, sandbox_id: SandboxId, engine: EngineDep
+                             ) -> Response:
+    async def handle(message: dict) -> dict:
+        given = message.get("input") or {}
+        if "pty" in given:
+            raise RpcError("unimplemented", "PTY input is not supported by branchbox")
+        try:
+            data = base64.b64decode(given.get("stdin") or "", validate=True)
+        except ValueError:
+            raise RpcError("invalid_argument", "input.stdin must be base64") from None
+        await engine.call(sandbox_id, "input", {"pid": _pid(message)}, data)
+        return {}
+
+    return await _rpc(request, handle)
+
+
+@router.post("/process.Process/CloseStdin")
+async def process_close_stdin(request: Request, sandbox_id: SandboxId, engine: EngineDep
+                              ) -> Response:
+    async def handle(message: dict) -> dict:
+        await engine.call(sandbox_id, "close_stdin", {"pid": _pid(message)})
+        return {}
+
+    return await _rpc(request, handle)
+
+
+@router.post("/process.Process/SendSignal")
+async def process_send_signal(request: Request, sandbox_id: SandboxId, engine: EngineDep
+                              ) -> Response:
+    async def handle(message: dict) -> dict:
+        signo = _SIGNALS.get(message.get("signal"))  # type: ignore[arg-type]
+        if signo is None:
+            raise RpcError("invalid_argument", "signal must be SIGNAL_SIGKILL or SIGNAL_SIGTERM")
+        await engine.call(sandbox_id, "kill", {"pid": _pid(message), "signal": int(signo)})
+        return {}
+
+    return await _rpc(request, handle)
+
+
+# ------------------------------------------------------------------------ filesystem
+def _entry(entry: dict) -> dict:
+    """Our agent's entry as E2B's EntryInfo."""
+    kind = {"file": stat.S_IFREG, "dir": stat.S_IFDIR, "symlink": stat.S_IFLNK}.get(
+        entry["type"], 0)
+    return {"name": entry["name"], "type": _FILE_TYPES.get(entry["type"], "FILE_TYPE_UNSPECIFIED"),
+            "path": entry["path"], "size": str(entry["size"]), "mode": entry["mode"],
+            "permissions": stat.filemode(kind | entry["mode"]),
+            "modifiedTime": datetime.fromtimestamp(entry["mtime"], UTC).isoformat()
+            .replace("+00:00", "Z")}
+
+
+def _fs_route(name: str) -> Callable:
+    """A unary Filesystem call: ``handler(engine, sandbox_id, message) -> reply``."""
+
+    def register(handler: Callable[[Engine, str, dict], Awaitable[dict]]) -> Callable:
+        @router.post(f"/filesystem.Filesystem/{name}", name=f"e2b_fs_{name}")
+        async def route(request: Request, sandbox_id: SandboxId, engine: EngineDep
+                        ) -> Response:
+            return await _rpc(request, lambda message: handler(engine, sandbox_id, message))
+
+        return handler
+
+    return register
+
+
+@_fs_route("Stat")
+async def fs_stat(engine: Engine, sandbox_id: str, message: dict) -> dict:
+    return {"entry": _entry(await engine.call(sandbox_id, "stat",
+                                              {"path": _path(message.get("path"))}))}
+
+
+@_fs_route("ListDir")
+async def fs_list(engine: Engine, sandbox_id: str, message: dict) -> dict:
+    depth = message.get("depth") or 1
+    if not isinstance(depth, int) or not 1 <= depth <= _MAX_DEPTH:
+        raise RpcError("invalid_argument", f"depth must be between 1 and {_MAX_DEPTH}")
+    entries: list[dict] = []
+    level = [_path(message.get("path"))]
+    for _ in range(depth):
+        below = []
+        for directory in level:
+            for entry in (await engine.call(sandbox_id, "list", {"path": directory}))["entries"]:
+                entries.append(_entry(entry))
+                if entry["type"] == "dir":
+                    below.append(entry["path"])
+            if len(entries) > _MAX_LISTED:
+                raise RpcError("resource_exhausted",
+                               f"more than {_MAX_LISTED} entries: list with a smaller depth")
+        level = below
+    return {"entries": entries}
+
+
+@_fs_route("MakeDir")
+async def fs_make_dir(engine: Engine, sandbox_id: str, message: dict) -> dict:
+    made = await engine.call(sandbox_id, "mkdir", {"path": _path(message.get("path"))})
+    if not made["created"]:
+        raise RpcError("already_exists", f"directory exists already: {made['path']}")
+    return {"entry": _entry(made)}
+
+
+@_fs_route("Move")
+async def fs_move(engine: Engine, sandbox_id: str, message: dict) -> dict:
+    moved = await engine.call(sandbox_id, "move", {
+        "source": _path(message.get("source")),
+        "destination": _path(message.get("destination"))})
+    return {"entry": _entry(moved)}
+
+
+@_fs_route("Remove")
+async def fs_remove(engine: Engine, sandbox_id: str, message: dict) -> dict:
+    await engine.call(sandbox_id, "remove", {"path": _path(message.get("path")),
+                                             "recursive": True})
+    return {}
+
+
+# ----------------------------------------------------------------------- /files, /health
+@router.get("/health", status_code=204, response_class=Response)
+async def health(sandbox_id: SandboxId, engine: EngineDep) -> None:
+    """The sandbox is there and its REPL alive (502 once it is not, as E2B's proxy says)."""
+    await engine.call(sandbox_id, "ping")
+
+
+@router.get("/files")
+async def download(sandbox_id: SandboxId, engine: EngineDep,
+                   path: Annotated[str, Query(max_length=4096)]) -> Response:
+    """The file's bytes, streamed."""
+    try:
+        events = await opened(engine.stream(sandbox_id, "read", {"path": _path(path)}))
+    except (errors.EngineError, RpcError) as exc:
+        return _files_error(exc)
+    return bytes_response(events)
+
+
+@router.post("/files")
+async def upload(request: Request, sandbox_id: SandboxId, engine: EngineDep,
+                 path: Annotated[str | None, Query(max_length=4096)] = None) -> Response:
+    """E2B's upload: a multipart form of files (each named by its path, or by ``path``),
+    or one octet-stream body for ``path``. Answers the written files' entries."""
+    limit: int = request.app.state.max_upload
+    written = []
+    try:
+        if request.headers.get("content-type", "").startswith("multipart/form-data"):
+            async with request.form(max_part_size=limit) as form:
+                for _, part in form.multi_items():
+                    if isinstance(part, str):
+                        continue
+                    target = _path(path or part.filename)
+                    await engine.write_file(sandbox_id, target, _chunks(part.read))
+                    written.append(target)
+        else:
+            if path is None:
+                raise RpcError("invalid_argument", "an octet-stream upload needs ?path=")
+            target = _path(path)
+            await engine.write_file(sandbox_id, target, request.stream())
+            written.append(target)
+    except (errors.EngineError, RpcError) as exc:
+        return _files_error(exc)
+    return JSONResponse([{"name": p.rsplit("/", 1)[-1], "type": "file", "path": p}
+                         for p in written])
+
+
+async def _chunks(read: Callable[[int], Awaitable[bytes]]) -> AsyncIterator[bytes]:
+    while chunk := await read(1 << 20):
+        yield chunk
+
+
+def _files_error(exc: errors.EngineError) -> Response:
+    """E2B's envd answers /files failures with a status and ``{"code", "message"}``."""
+    status, message, _ = describe(exc)
+    return e2b_error(status, message)
