@@ -29,7 +29,7 @@ from served import ServedDaemon, wait_started
 KEY = "mcp-test-key"
 MISSING = "sbx_" + "0" * 32
 TOOLS = {"create_sandbox", "run_code", "exec", "read_file", "write_file", "list_files", "fork",
-         "diff", "merge_into", "commit", "close"}
+         "diff", "merge_into", "commit", "checkpoint", "restore", "close"}
 CHART = """
 import matplotlib
 matplotlib.use("Agg")
@@ -200,6 +200,12 @@ async def fork_diff_merge_commit(client: Client, ws: Path) -> dict[str, Any]:
     assert facts(read)["content"] == "b\n"
     assert (ws / "base.txt").exists() and not (ws / "from_b.txt").exists()
     await call(client, "commit", sandbox_id=parent)
+
+    saved = facts(await call(client, "checkpoint", sandbox_id=parent, name="before y"))
+    await call(client, "run_code", sandbox_id=parent, code="y = 'after'")
+    await call(client, "restore", sandbox_id=parent, checkpoint_id=saved["checkpoint_id"])
+    back = await call(client, "run_code", sandbox_id=parent, code="'y' in globals(), x")
+    assert facts(back)["text"] == "(False, 41)"
     return {"parent": parent, "children": children}
 
 

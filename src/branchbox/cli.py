@@ -181,7 +181,8 @@ def mcp(
              "clients must send.", envvar="BRANCHBOX_DATA_DIR")] = DEFAULT_DATA_DIR,
 ) -> None:
     """Serve branchbox's sandboxes as MCP tools (create, run_code, exec, files, fork, diff,
-    merge_into, commit, close); a session's sandboxes are closed when it ends."""
+    merge_into, commit, checkpoint, restore, close); a session's sandboxes are closed when it
+    ends."""
     # Imported here: only this command needs the MCP SDK.
     import anyio
 

@@ -169,6 +169,17 @@ async def commit(held: Holdings, args: tools.OnSandbox) -> CallToolResult:
                    **(await (await held.get(args.sandbox_id)).commit() or {})})
 
 
+async def checkpoint(held: Holdings, args: tools.Checkpoint) -> CallToolResult:
+    saved = await (await held.get(args.sandbox_id)).checkpoint(args.name)
+    return result({"sandbox_id": args.sandbox_id, "checkpoint_id": saved.id,
+                   "name": saved.name})
+
+
+async def restore(held: Holdings, args: tools.Restore) -> CallToolResult:
+    await (await held.get(args.sandbox_id)).restore(args.checkpoint_id)
+    return result({"sandbox_id": args.sandbox_id, "restored": args.checkpoint_id})
+
+
 async def close(held: Holdings, args: tools.OnSandbox) -> CallToolResult:
     try:
         await (await held.get(args.sandbox_id)).close()
@@ -184,5 +195,6 @@ Call = Callable[[Holdings, Any], Awaitable[CallToolResult]]
 CALLS: dict[str, Call] = {
     "create_sandbox": create_sandbox, "run_code": run_code, "exec": exec_command,
     "read_file": read_file, "write_file": write_file, "list_files": list_files,
-    "fork": fork, "diff": diff, "merge_into": merge_into, "commit": commit, "close": close,
+    "fork": fork, "diff": diff, "merge_into": merge_into, "commit": commit,
+    "checkpoint": checkpoint, "restore": restore, "close": close,
 }

@@ -93,6 +93,15 @@ class MergeInto(OnSandbox):
     winner_id: SandboxId = Field(description="The child whose state the sandbox takes over.")
 
 
+class Checkpoint(OnSandbox):
+    name: str | None = Field(None, max_length=128, description="A label to recognise it by.")
+
+
+class Restore(OnSandbox):
+    checkpoint_id: str = Field(pattern=r"^cp_[0-9a-f]{32}$", description=(
+        "A checkpoint of this sandbox (cp_ + 32 hex digits), as `checkpoint` returned it."))
+
+
 @dataclass(frozen=True)
 class Tool:
     name: str
@@ -138,6 +147,13 @@ TOOLS = [
     Tool("commit", OnSandbox,
          "Write the sandbox's changes to its workspace back into the host directory, "
          "atomically. Fails if a sibling committed first."),
+    Tool("checkpoint", Checkpoint,
+         "Save this instant of the sandbox (REPL memory, files, environment), frozen, so "
+         "`restore` can go back to it later. Returns the checkpoint_id. Cheaper than a fork "
+         "you do not run anything in."),
+    Tool("restore", Restore,
+         "Make the sandbox one of its checkpoints again: same sandbox_id, with the memory and "
+         "files it had then. The checkpoint stays, so you can restore it again."),
     Tool("close", OnSandbox,
          "Destroy the sandbox and everything running in it. Closing one that is already "
          "gone is not an error."),
