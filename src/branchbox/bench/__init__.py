@@ -28,6 +28,7 @@ from branchbox.bench import (
     create,
     diff,
     fork,
+    images,
     mcp_calls,
     memory,
     merge,
@@ -58,6 +59,7 @@ SUITES: dict[str, ModuleType] = {
         workspace,
         workspace_io,
         mcp_calls,
+        images,
     )
 }
 

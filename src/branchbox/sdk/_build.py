@@ -9,6 +9,7 @@ what COPY sees.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import stat
@@ -53,14 +54,16 @@ async def build(api: Api, name: str, body: bytes, internet: bool | None,
     params: dict[str, str] = {"name": name, "spec": SPEC_MEMBER}
     if internet is not None:
         params["internet"] = "true" if internet else "false"
-    async for line in api.lines("POST", "/v1/images", params=params, content=body,
-                                headers={"content-type": "application/x-tar"}):
-        kind = line.get("type")
-        if kind == "error":
-            raise error_from_reply(line.get("status", 500),
-                                   {"error": line.get("error"), "type": line.get("kind")})
-        if kind == "image":
-            return {k: v for k, v in line.items() if k != "type"}
-        if on_event is not None:
-            on_event(line)
+    lines = api.lines("POST", "/v1/images", params=params, content=body,
+                      headers={"content-type": "application/x-tar"})
+    async with contextlib.aclosing(lines):  # closed here, not by the loop's shutdown
+        async for line in lines:
+            kind = line.get("type")
+            if kind == "error":
+                raise error_from_reply(line.get("status", 500),
+                                       {"error": line.get("error"), "type": line.get("kind")})
+            if kind == "image":
+                return {k: v for k, v in line.items() if k != "type"}
+            if on_event is not None:
+                on_event(line)
     raise error_from_reply(502, "the server's stream ended before the build's result")
