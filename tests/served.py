@@ -11,7 +11,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -79,3 +80,15 @@ class ServedDaemon:
                 self.proc.kill()
                 self.proc.wait()
             shutil.rmtree(self.data_dir, ignore_errors=True)
+
+
+@contextmanager
+def served_with_key(prefix: str, key: str) -> Iterator[ServedDaemon]:
+    """A daemon whose one API key is ``key`` (whatever ``BRANCHBOX_API_KEY`` the tests
+    were started with), stopped at the end."""
+    env = {k: v for k, v in os.environ.items() if k != "BRANCHBOX_API_KEY"}
+    served = ServedDaemon(prefix, {**env, "BRANCHBOX_API_KEY": key})
+    try:
+        yield served
+    finally:
+        served.stop()

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import queue
+import signal
 import socket
 import threading
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from served import ServedDaemon
+from served import ServedDaemon, served_with_key
 
 from branchbox import Sandbox
 from branchbox.engine.events import EventBus
@@ -27,10 +27,8 @@ KEY = "events-test-key"
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[ServedDaemon]:
-    env = {k: v for k, v in os.environ.items() if k != "BRANCHBOX_API_KEY"}
-    served = ServedDaemon("events", {**env, "BRANCHBOX_API_KEY": KEY})
-    yield served
-    served.stop()
+    with served_with_key("events", KEY) as served:
+        yield served
 
 
 class Listener:
@@ -170,6 +168,18 @@ def test_a_stalled_subscriber_never_holds_the_engine(daemon: ServedDaemon) -> No
             assert sb.run_code("21 * 2").text == "42"
     finally:
         stalled.close()
+
+
+def test_streams_end_when_the_daemon_stops() -> None:
+    """A daemon's graceful stop waits for open responses: an event stream that did not end
+    by itself would hold it for the whole grace period, then be cancelled."""
+    with served_with_key("events-stop", KEY) as served:
+        listener = Listener(served)
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.proc.wait(60) == 0
+        log = served.log.read_text()
+        listener.close()
+    assert "graceful shutdown exceeded" not in log, log
 
 
 def _record(sid: str) -> SandboxRecord:

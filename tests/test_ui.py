@@ -6,14 +6,13 @@ Screenshots of each step land in the test's own tmp directory.
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from served import ServedDaemon
+from served import ServedDaemon, served_with_key
 
 from branchbox import Sandbox
 
@@ -25,10 +24,8 @@ WAIT = 30
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[ServedDaemon]:
-    env = {k: v for k, v in os.environ.items() if k != "BRANCHBOX_API_KEY"}
-    served = ServedDaemon("ui", {**env, "BRANCHBOX_API_KEY": KEY})
-    yield served
-    served.stop()
+    with served_with_key("ui", KEY) as served:
+        yield served
 
 
 @pytest.fixture
@@ -43,6 +40,7 @@ def browser(tmp_path: Path):
                         "(make test does)")
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the page's console
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
                 "--window-size=1400,900", f"--user-data-dir={tmp_path / 'profile'}"):
         options.add_argument(arg)
@@ -135,8 +133,22 @@ def test_a_fork_merge_round_shows_live(daemon: ServedDaemon, browser, tmp_path: 
         removed = browser.find_element(By.CSS_SELECTOR, "#diff .diff-removed")
         assert "/root/won.txt" in removed.text
         browser.save_screenshot(str(tmp_path / "3-diff.png"))
-        children[1].close()
+        assert browser.execute_script("return window.notReloaded") is True
 
-    assert browser.execute_script("return window.notReloaded") is True
+        # A page opened now shows the same tree: the merged winner and the closed branch
+        # greyed where they were, and the parent's runs.
+        browser.refresh()
+        _wait(browser, lambda d: d.find_element(By.ID, "status").text == "live",
+              "the reloaded page")
+        assert len(_family_nodes(browser, parent.id)) == 4
+        for gone, state in ((children[0], "merged"), (children[2], "closed")):
+            node = _node(browser, gone.id)
+            assert "retired" in node.get_attribute("class") and state in node.text
+            assert node.get_attribute("data-parent") == parent.id
+        _node(browser, parent.id).find_element(By.CSS_SELECTOR, ".card").click()
+        assert "hello from the parent" in browser.find_element(By.ID, "details").text
+        children[1].close()
+    errors = [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert not errors, errors
     assert all((tmp_path / name).stat().st_size > 0
                for name in ("1-forked.png", "2-merged.png", "3-diff.png"))

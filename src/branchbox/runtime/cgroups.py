@@ -243,7 +243,8 @@ class SandboxCgroup:
                 if name == "usage_usec":
                     return int(value) / 1e6
             return 0.0
-        return procfs.cpu_seconds(self.pids())
+        # Every process of the sandbox is in each hierarchy: one is 3 reads instead of 12.
+        return procfs.cpu_seconds(SandboxCgroup(self.version, self.dirs[:1]).pids())
 
     def pids_current(self) -> int:
         return int(self._file("pids", "pids.current").read_text())

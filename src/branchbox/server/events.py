@@ -5,17 +5,17 @@ event's ``type`` is inside the JSON, so an ``EventSource``'s ``onmessage`` sees
 them all). A ``lost`` notice carries no id, so a client's ``Last-Event-ID``
 stays on the last event it really got. A comment line goes out after 15 s
 without events: proxies keep the connection, and a client that went away is
-noticed. Memory per client is nothing but its cursor into the engine's ring
-(see ``engine.events``).
+noticed. A stream ends when the server stops. Memory per client is nothing but
+its cursor into the engine's ring (see ``engine.events``).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query
+from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
 
 from branchbox.engine import errors
@@ -25,6 +25,7 @@ from branchbox.server.deps import EngineDep
 router = APIRouter(tags=["events"])
 SSE = "text/event-stream"
 RETRY_MS = 2000  # how soon an EventSource reconnects (with Last-Event-ID) after a drop
+KEEPALIVE = 15  # seconds of silence before a comment line
 
 _DESCRIPTION = (
     "Server-sent events, one per lifecycle step: ``id: N`` and ``data: {JSON}`` with "
@@ -40,6 +41,7 @@ _DESCRIPTION = (
 @router.get("/v1/events", response_class=StreamingResponse,
             responses={200: {"content": {SSE: {}}, "description": _DESCRIPTION}})
 async def events(
+    request: Request,
     engine: EngineDep,
     since: Annotated[int | None, Query(ge=0, description=(
         "Resume after this event id (0: everything the daemon still holds); without it "
@@ -53,14 +55,32 @@ async def events(
         if not last_event_id.isdigit() or len(last_event_id) > 18:
             raise errors.InvalidRequest("Last-Event-ID must be an event id (a number)")
         since = int(last_event_id)
-    return StreamingResponse(_stream(engine.events, since), media_type=SSE,
+    return StreamingResponse(_stream(engine.events, since, _stopping(request)), media_type=SSE,
                              headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
 
-async def _stream(bus: EventBus, since: int | None) -> AsyncIterator[str]:
+def _stopping(request: Request) -> Callable[[], bool]:
+    """Whether the server is shutting down. Its graceful shutdown waits for every response
+    to end before the app hears of it, so a stream must notice by itself or hold the
+    daemon's stop for the whole grace period."""
+    server = getattr(request.app.state, "server", None)  # set by `branchbox serve`
+    return lambda: server is not None and server.should_exit
+
+
+async def _stream(bus: EventBus, since: int | None,
+                  stopping: Callable[[], bool]) -> AsyncIterator[str]:
     yield f"retry: {RETRY_MS}\n\n"
-    async for event in bus.subscribe(since):
-        yield format_event(event)
+    quiet = 0
+    async for event in bus.subscribe(since, keepalive=1.0):  # a look at `stopping` a second
+        if event is not None:
+            quiet = 0
+            yield format_event(event)
+        elif stopping():
+            return
+        else:
+            quiet += 1
+            if quiet % KEEPALIVE == 0:
+                yield format_event(None)
 
 
 def format_event(event: dict | None) -> str:

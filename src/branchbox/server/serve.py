@@ -76,6 +76,7 @@ def serve(data_dir: Path | str = DEFAULT_DATA_DIR, host: str | None = None,
     # No access log: a line per request costs a small call a good part of its latency
     # (and floods the log); failures are still logged.
     server = uvicorn.Server(uvicorn.Config(app, timeout_graceful_shutdown=10, access_log=False))
+    app.state.server = server  # streams that never end (GET /v1/events) end when it stops
     # uvicorn re-raises the signal it shut down for; SIGTERM then ends the process
     # through this handler, so the `finally` below still removes the socket file.
     previous = signal.signal(signal.SIGTERM, _exit_cleanly)

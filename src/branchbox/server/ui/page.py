@@ -17,6 +17,7 @@ from html import escape
 from branchbox.engine.live import Live
 
 RUNS_KEPT = 5  # runs per node the page shows (the script keeps as many)
+RETIRED = ("closed", "merged")  # states of nodes shown greyed: no longer sandboxes
 
 
 @dataclass
@@ -32,19 +33,50 @@ class Node:
     memory_bytes: int | None
 
 
-def read_nodes(lives: list[Live]) -> list[Node]:
-    """Nodes of ``lives`` with their resource use; reads cgroup files, so callers run it
-    off the event loop (a sandbox closed meanwhile shows no use instead of failing)."""
+def read_nodes(lives: list[Live], usage: bool = True) -> list[Node]:
+    """Nodes of ``lives``; with ``usage``, their CPU and memory too, which reads cgroup
+    files, so callers run it off the event loop (a sandbox closed meanwhile shows no use
+    instead of failing)."""
     nodes = []
     for sb in lives:
         cpu = memory = None
-        with contextlib.suppress(OSError, ValueError):
-            cpu = sb.body.cgroup.cpu_seconds()
-            memory = sb.body.cgroup.memory_bytes()
+        if usage:
+            with contextlib.suppress(OSError, ValueError):
+                cpu = sb.body.cgroup.cpu_seconds()
+                memory = sb.body.cgroup.memory_bytes()
         rec = sb.record
         nodes.append(Node(rec.id, rec.parent_id, rec.family, rec.state, rec.created,
                           cpu, memory))
     return nodes
+
+
+def retired_nodes(events: list[dict], live: list[Node]) -> list[Node]:
+    """Sandboxes of the ``live`` nodes' families that were closed or won a merge within
+    ``events`` (what the daemon still holds), so a page opened later shows them greyed,
+    as a page that watched them go did. A winner's children hang under the sandbox it
+    merged into."""
+    seen: dict[str, Node] = {}
+    moved: dict[str, str] = {}  # merged winner -> the sandbox that took its place
+    for ev in events:
+        kind, sid = ev["type"], ev["sandbox"]
+        if kind == "create":
+            seen[sid] = Node(sid, None, ev["family"], "ready", ev["ts"], None, None)
+        elif kind == "fork":
+            for child in ev["children"]:
+                seen[child] = Node(child, sid, ev["family"], "ready", ev["ts"], None, None)
+        elif kind == "close" and sid in seen:
+            seen[sid].state = "closed"
+        elif kind == "merge" and ev["winner"] in seen:
+            seen[ev["winner"]].state = "merged"
+            moved[ev["winner"]] = sid
+    families = {n.family for n in live}
+    ids = {n.id for n in live}
+    gone = [n for n in seen.values()
+            if n.id not in ids and n.state != "ready" and n.family in families]
+    for node in gone:
+        while node.parent in moved:
+            node.parent = moved[node.parent]
+    return gone
 
 
 def render(nodes: list[Node], runs: list[dict], last_event: int) -> str:
@@ -67,9 +99,9 @@ def render(nodes: list[Node], runs: list[dict], last_event: int) -> str:
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>branchbox · fork tree</title>
-<link rel="stylesheet" href="/ui/static/ui.css"></head>
+<link rel="icon" href="data:,"><link rel="stylesheet" href="/ui/static/ui.css"></head>
 <body data-last-event="{last_event}">
-<header><h1>branchbox</h1><span id="counts">{len(nodes)} sandboxes</span>
+<header><h1>branchbox</h1><span id="counts">{len(nodes)} nodes</span>
 <span id="status" class="status">connecting…</span></header>
 <p id="banner" hidden></p>
 <div id="layout">
@@ -96,8 +128,9 @@ def _subtree(root: Node, by_parent: dict[str | None, list[Node]]) -> str:
             out.append("</ul></li>")
             continue
         state = escape(node.state)
+        retired = " retired" if node.state in RETIRED else ""
         out.append(
-            f'<li class="node state-{state}" data-id="{escape(node.id)}" '
+            f'<li class="node state-{state}{retired}" data-id="{escape(node.id)}" '
             f'data-parent="{escape(node.parent or "")}" data-created="{node.created}">'
             f'<div class="card" tabindex="0"><span class="sid">{escape(node.id)}</span>'
             f'<span class="state">{state}</span><span class="age"></span>'

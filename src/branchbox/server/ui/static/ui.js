@@ -8,7 +8,10 @@
 // output, paths) is put in the page as text, never as HTML.
 "use strict";
 
+// Resource use is re-read every STATS_MS, or STATS_SHARE times as long as the last read
+// took if that is longer: a daemon busy reading a thousand cgroups is asked less often.
 const STATS_MS = 5000;
+const STATS_SHARE = 20;
 const AGES_MS = 1000;
 const STATS_SOON_MS = 300; // after a fork or a create: new nodes get their use soon
 const RUNS_KEPT = 5;
@@ -20,7 +23,8 @@ const queue = [];
 let selected = []; // at most two ids, the last clicked last
 let scheduled = false;
 let lastCpu = new Map(); // id -> [cpu seconds, when], for a CPU percentage
-let statsSoon = null; // one pending early refresh at most, however many nodes arrive
+let statsSoon = null; // the one pending refresh, however many nodes arrive
+let statsBusy = false; // one request in flight at most
 
 const $ = (sel, root = document) => root.querySelector(sel);
 
@@ -78,9 +82,7 @@ function addNode(id, parent, family, created, state) {
   (up ? up.kids : familySection(family)).append(li);
   const node = adopt(li);
   setText(node.parts.age, age(Math.max(0, Date.now() / 1000 - created)));
-  if (statsSoon === null) {
-    statsSoon = setTimeout(() => { statsSoon = null; refreshStats(); }, STATS_SOON_MS);
-  }
+  if (statsSoon === null && !statsBusy) statsSoon = setTimeout(refreshStats, STATS_SOON_MS);
   return node;
 }
 
@@ -160,7 +162,7 @@ function apply(ev) {
 function flush() {
   scheduled = false;
   for (const ev of queue.splice(0)) apply(ev);
-  setText($("#counts"), `${nodes.size} sandboxes`);
+  setText($("#counts"), `${nodes.size} nodes`);
 }
 
 function enqueue(ev) {
@@ -202,7 +204,20 @@ function refreshAges() {
 }
 
 async function refreshStats() {
-  if (document.hidden) return;
+  if (statsBusy) return;
+  clearTimeout(statsSoon);
+  statsBusy = true;
+  const started = performance.now();
+  try {
+    if (!document.hidden) await readStats();
+  } finally {
+    statsBusy = false;
+    const took = performance.now() - started;
+    statsSoon = setTimeout(refreshStats, Math.max(STATS_MS, took * STATS_SHARE));
+  }
+}
+
+async function readStats() {
   let reply;
   try {
     reply = await fetch("/ui/stats", { credentials: "same-origin" });
@@ -315,8 +330,9 @@ function start() {
   refreshAges();
   refreshStats();
   setInterval(refreshAges, AGES_MS);
-  setInterval(refreshStats, STATS_MS);
-  document.addEventListener("visibilitychange", refreshStats);
+  document.addEventListener("visibilitychange", () => {
+    if (!document.hidden) refreshStats();
+  });
 }
 
 start();
