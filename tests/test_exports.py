@@ -26,13 +26,16 @@ PUBLIC = [
     "FileNotFound",
     "Files",
     "ImageBuildFailed",
+    "InsufficientStorage",
     "InvalidRequest",
     "PayloadTooLarge",
     "ReplGone",
+    "ResourceLimit",
     "Sandbox",
     "SandboxError",
     "SandboxNotFound",
     "SandboxTimeout",
+    "ServerStopping",
     "StaleBranchError",
 ]
 
@@ -52,7 +55,7 @@ def test_errors_share_one_root() -> None:
     errors = [getattr(branchbox, name) for name in PUBLIC
               if isinstance(getattr(branchbox, name), type)
               and issubclass(getattr(branchbox, name), BaseException)]
-    assert len(errors) == 11
+    assert len(errors) == 15
     assert all(issubclass(cls, branchbox.SandboxError) for cls in errors)
     assert issubclass(branchbox.SandboxTimeout, TimeoutError)
     assert issubclass(branchbox.FileNotFound, FileNotFoundError)

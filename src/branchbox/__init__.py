@@ -25,13 +25,16 @@ if TYPE_CHECKING:
         FileNotFound,
         Files,
         ImageBuildFailed,
+        InsufficientStorage,
         InvalidRequest,
         PayloadTooLarge,
         ReplGone,
+        ResourceLimit,
         Sandbox,
         SandboxError,
         SandboxNotFound,
         SandboxTimeout,
+        ServerStopping,
         StaleBranchError,
     )
 
@@ -51,13 +54,16 @@ __all__ = [
     "FileNotFound",
     "Files",
     "ImageBuildFailed",
+    "InsufficientStorage",
     "InvalidRequest",
     "PayloadTooLarge",
     "ReplGone",
+    "ResourceLimit",
     "Sandbox",
     "SandboxError",
     "SandboxNotFound",
     "SandboxTimeout",
+    "ServerStopping",
     "StaleBranchError",
 ]
 

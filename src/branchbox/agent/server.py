@@ -15,6 +15,7 @@ output policy (:data:`MAX_OUTPUT`, :class:`OutputLimit`).
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import selectors
@@ -33,6 +34,22 @@ Handler = Callable[["Agent", dict, bytes, list[int]], None]
 
 # The channel is gone: stop serving instead of failing requests nobody will read.
 _CLOSED = (protocol.ChannelClosed, BrokenPipeError, ConnectionResetError)
+
+
+# A sandbox's resources running out, met by any handler (a file write, a command's spawn):
+# typed, so the caller gets a status that says so (507, 429) instead of a traceback.
+_EXHAUSTED = {errno.ENOSPC: "NoSpace", errno.EDQUOT: "NoSpace", errno.EAGAIN: "ResourceLimit"}
+
+
+def _exhausted_message(exc: OSError) -> str:
+    """What ran out, for an OSError whose errno is in ``_EXHAUSTED``."""
+    where = f" ({exc.filename})" if exc.filename else ""
+    if exc.errno == errno.EDQUOT:
+        return f"the sandbox's disk limit (disk_mb) is reached{where}: {exc.strerror}"
+    if exc.errno == errno.ENOSPC:
+        return f"no space left on the sandbox's disk{where}: {exc.strerror}"
+    return (f"the sandbox's process limit is reached{where}: {exc.strerror} (too many "
+            "processes or threads are running in it)")
 
 
 class RequestError(Exception):
@@ -259,6 +276,11 @@ class Agent:
             handler(self, header, payload, fds)
         except RequestError as exc:
             self.fail(rid, exc.type, exc.message)
+        except OSError as exc:
+            if exc.errno in _EXHAUSTED:  # the caller's to fix, not a bug: no traceback
+                self.fail(rid, _EXHAUSTED[exc.errno], _exhausted_message(exc))
+            else:
+                self.fail(rid, "Internal", traceback.format_exc())
         except BaseException:  # even SystemExit from a handler must not end the agent
             self.fail(rid, "Internal", traceback.format_exc())
 

@@ -9,7 +9,10 @@
     │   └── StaleBranch (409)
     ├── SandboxTimeout (408)      a run or command hit its timeout
     ├── ReplGone (410)            the sandbox's REPL process died
-    └── PayloadTooLarge (413)
+    ├── PayloadTooLarge (413)
+    ├── ResourceLimit (429)       the sandbox's process limit is reached
+    ├── ServiceStopping (503)     the server is stopping
+    └── InsufficientStorage (507) the sandbox's disk limit, or the store, is full
 
 ``kind`` is the name the SDK maps back to its own exception class.
 """
@@ -80,6 +83,21 @@ class ImageBuildFailed(EngineError):
     kind = "ImageBuildFailed"
 
 
+class ResourceLimit(EngineError):
+    status = 429
+    kind = "ResourceLimit"
+
+
+class ServiceStopping(EngineError):
+    status = 503
+    kind = "ServiceStopping"
+
+
+class InsufficientStorage(EngineError):
+    status = 507
+    kind = "InsufficientStorage"
+
+
 # What an agent "fail" type becomes in the engine.
 AGENT_ERRORS: dict[str, type[EngineError]] = {
     "InvalidRequest": InvalidRequest,
@@ -87,5 +105,7 @@ AGENT_ERRORS: dict[str, type[EngineError]] = {
     "NotFound": FileNotFound,
     "CommandNotFound": CommandNotFound,
     "Timeout": SandboxTimeout,
+    "NoSpace": InsufficientStorage,
+    "ResourceLimit": ResourceLimit,
     "Conflict": Conflict,
 }

@@ -34,6 +34,7 @@ from branchbox.engine.live import Body, FamilyHandle, Live, new_id
 from branchbox.engine.networking import SandboxNetwork
 from branchbox.engine.pausing import Pausing, refuse_paused
 from branchbox.engine.records import Records, SandboxRecord
+from branchbox.engine.repl_end import repl_ended
 from branchbox.engine.run_guard import RunDeadline, acquire, release_when_quiet, until_gone
 from branchbox.engine.warm import WarmPool
 from branchbox.engine.workspaces import Workspaces
@@ -564,15 +565,17 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints)
         except ChannelClosed:
             if sb.body.stopped:
                 raise errors.SandboxTimeout(f"sandbox {sandbox_id}: {sb.body.stopped}") from None
-            raise errors.ReplGone(
-                f"the REPL of sandbox {sandbox_id} died during {op!r}; close the sandbox"
-            ) from None
+            raise self._repl_ended(sb, f"{op!r}") from None
         finally:
             if deadline is not None:
                 deadline.cancel()
             sb.last_used = time.monotonic()  # the end of a long run is use, for idle
             if locked:
                 self._unlock(sb)
+
+    def _repl_ended(self, sb: Live, during: str) -> errors.EngineError:
+        return repl_ended(sb, during, closed=self.live.get(sb.id) is not sb,
+                          stopping=self._stopping)
 
     def _unlock(self, sb: Live) -> None:
         """Release ``sb``'s lock now, or once its REPL has finished the calls abandoned on
@@ -633,7 +636,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints)
         except AgentError as exc:
             raise errors.AGENT_ERRORS.get(exc.kind, errors.EngineError)(exc.message) from None
         except ChannelClosed:
-            raise errors.ReplGone(f"the REPL of sandbox {sandbox_id} died during a write") from None
+            raise self._repl_ended(sb, "a write") from None
         finally:
             self._unlock(sb)
 

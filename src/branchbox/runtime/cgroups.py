@@ -246,6 +246,15 @@ class SandboxCgroup:
         # Every process of the sandbox is in each hierarchy: one is 3 reads instead of 12.
         return procfs.cpu_seconds(SandboxCgroup(self.version, self.dirs[:1]).pids())
 
+    def oom_kills(self) -> int:
+        """How many of the sandbox's processes the kernel killed for its memory limit."""
+        name = "memory.events" if self.version == 2 else "memory.oom_control"
+        for line in self._file("memory", name).read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0
+
     def pids_current(self) -> int:
         return int(self._file("pids", "pids.current").read_text())
 

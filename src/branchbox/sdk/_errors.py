@@ -12,7 +12,10 @@
     │   └── StaleBranchError          a sibling merged or committed first
     ├── ReplGone                      the sandbox's REPL died (410)
     ├── CommandNotFound               exec of a program the sandbox does not have
-    └── PayloadTooLarge               upload over the server's limit (413)
+    ├── PayloadTooLarge               upload over the server's limit (413)
+    ├── ResourceLimit                 the sandbox's process limit is reached (429)
+    ├── ServerStopping                the server stopped during the call (503)
+    └── InsufficientStorage           the sandbox's disk limit or the store is full (507)
 
 Every message ends with a hint on how to fix the problem.
 """
@@ -90,6 +93,21 @@ class ImageBuildFailed(SandboxError):
     hint = "fix the failing step (its output is above); no image was made"
 
 
+class ResourceLimit(SandboxError):
+    hint = "wait for the sandbox's processes to exit, or kill some (exec('pkill ...'))"
+
+
+class ServerStopping(SandboxError):
+    hint = "the call may not have run; retry it once the server is back"
+
+
+class InsufficientStorage(SandboxError, OSError):
+    """Also an OSError, as a full disk is for local code."""
+
+    hint = ("delete files in the sandbox, or create it with a larger disk_mb; if the store "
+            "itself is full, the server's host disk needs room")
+
+
 # The server's error "type" -> exception, with the HTTP status that means the same thing
 # when a reply carries no type (a proxy's error page, an older server).
 _TABLE: dict[str, tuple[type[SandboxError], int | None]] = {
@@ -105,6 +123,9 @@ _TABLE: dict[str, tuple[type[SandboxError], int | None]] = {
     "ReplGone": (ReplGone, 410),
     "CommandNotFound": (CommandNotFound, None),
     "PayloadTooLarge": (PayloadTooLarge, 413),
+    "ResourceLimit": (ResourceLimit, 429),
+    "ServiceStopping": (ServerStopping, 503),
+    "InsufficientStorage": (InsufficientStorage, 507),
     "ImageBuildFailed": (ImageBuildFailed, 422),
 }
 _BY_STATUS = {status: cls for cls, status in _TABLE.values() if status is not None}

@@ -33,6 +33,7 @@ from branchbox.server.disconnect import DisconnectWatch
 from branchbox.server.errors import install_error_handlers
 from branchbox.server.limits import BodyLimit
 from branchbox.server.replay import EventLog
+from branchbox.server.stopping import StopGate, StopSignal
 from branchbox.server.ui import routes as ui
 
 DEFAULT_MAX_UPLOAD = 1 << 30
@@ -59,6 +60,7 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] = (),
             client = getattr(app.state, "port_client", None)  # the port proxy's pool
             if client is not None:
                 await client.aclose()
+            app.state.stop_signal.begin()
             await engine.stop()
 
     app = FastAPI(title="branchbox", version="0.1.0", lifespan=lifespan,
@@ -70,6 +72,8 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] = (),
     install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=MAX_JSON_BODY)
     app.add_middleware(DisconnectWatch)  # calls of clients that hung up never run
+    app.state.stop_signal = StopSignal()  # serve() begins it at SIGTERM / SIGINT
+    app.add_middleware(StopGate, signal=app.state.stop_signal)  # then calls get 503
 
     @app.get("/v1/healthz", response_class=PlainTextResponse, tags=["server"])
     async def healthz() -> str:

@@ -75,7 +75,7 @@ def serve(data_dir: Path | str = DEFAULT_DATA_DIR, host: str | None = None,
             f"http://{bound_host}:{bound_port}"
     # No access log: a line per request costs a small call a good part of its latency
     # (and floods the log); failures are still logged.
-    server = uvicorn.Server(uvicorn.Config(app, timeout_graceful_shutdown=10, access_log=False))
+    server = _Server(uvicorn.Config(app, timeout_graceful_shutdown=10, access_log=False))
     app.state.server = server  # streams that never end (GET /v1/events) end when it stops
     # uvicorn re-raises the signal it shut down for; SIGTERM then ends the process
     # through this handler, so the `finally` below still removes the socket file.
@@ -88,6 +88,14 @@ def serve(data_dir: Path | str = DEFAULT_DATA_DIR, host: str | None = None,
         sock.close()
         if sock.family == socket.AF_UNIX:
             Path(url.removeprefix("unix://")).unlink(missing_ok=True)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which tells the app the moment a stop begins (server.stopping)."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.config.app.state.stop_signal.begin()
+        super().handle_exit(sig, frame)
 
 
 def generated_api_key(path: Path) -> str:

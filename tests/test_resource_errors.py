@@ -1,0 +1,105 @@
+"""Errors a user can cause by exhausting something (issue 16, finding 8), against a real daemon.
+
+Each is a typed JSON error with the status that says what happened, and a typed
+SDK exception, never a 500 with the agent's traceback: a full disk is 507, the
+process limit 429, a call cut by a graceful stop 503, and a REPL the kernel killed
+for the sandbox's memory limit says so.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from served import ServedDaemon
+
+from branchbox import (
+    InsufficientStorage,
+    ReplGone,
+    ResourceLimit,
+    Sandbox,
+)
+
+KEY = "errors-test-key"
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[ServedDaemon]:
+    served = ServedDaemon("errors", {**os.environ, "BRANCHBOX_API_KEY": KEY},
+                          "--storage", "btrfs")
+    yield served
+    served.stop()
+
+
+def sandbox(daemon: ServedDaemon, **kwargs) -> Sandbox:
+    return Sandbox(url=daemon.url, api_key=KEY, **kwargs)
+
+
+def test_a_full_disk_is_a_507_with_a_json_error(daemon: ServedDaemon) -> None:
+    with sandbox(daemon, disk_mb=64) as sb:
+        with pytest.raises(InsufficientStorage) as caught:
+            sb.files.write("/root/big", b"\0" * (100 << 20))
+        assert caught.value.status == 507
+        assert "disk" in caught.value.message and "Traceback" not in caught.value.message
+        with daemon.client(KEY) as client:
+            r = client.put(f"/v1/sandboxes/{sb.id}/files", params={"path": "/root/big2"},
+                           content=b"\0" * (100 << 20))
+        assert r.status_code == 507, r.text
+        assert r.json()["type"] == "InsufficientStorage"
+        sb.files.write("/root/small", b"fits")  # the failed writes left nothing behind
+        assert sb.files.read("/root/small") == b"fits"
+
+
+def test_the_process_limit_is_a_429(daemon: ServedDaemon) -> None:
+    with sandbox(daemon) as sb:
+        filled = sb.run_code(
+            "import subprocess\n"
+            "procs = []\n"
+            "try:\n"
+            "    while True:\n"
+            "        procs.append(subprocess.Popen(['sleep', '600']))\n"
+            "except OSError as exc:\n"
+            "    print(exc.errno)\n")
+        assert filled.stdout.strip() == "11", filled  # EAGAIN: the limit is reached
+        with pytest.raises(ResourceLimit) as caught:
+            sb.exec("true")
+        assert caught.value.status == 429
+        assert "process limit" in caught.value.message, caught.value.message
+        sb.run_code("for p in procs: p.kill()\nfor p in procs: p.wait()\nprocs = []")
+        assert sb.exec("echo ok").stdout == "ok\n"
+
+
+def test_a_repl_killed_for_its_memory_limit_says_so(daemon: ServedDaemon) -> None:
+    with sandbox(daemon, memory_mb=256) as sb:
+        with pytest.raises(ReplGone, match="ran out of memory") as caught:
+            sb.run_code("hog = b'x' * (1 << 30)")
+        assert caught.value.status == 410
+
+
+def test_calls_in_flight_during_a_graceful_stop_get_a_503() -> None:
+    served = ServedDaemon("stopping", {**os.environ, "BRANCHBOX_API_KEY": KEY})
+    try:
+        sb = sandbox(served)
+        replies: list[httpx.Response] = []
+
+        def long_call() -> None:
+            with served.client(KEY) as client:
+                replies.append(client.post(f"/v1/sandboxes/{sb.id}/run_code",
+                                           json={"code": "import time; time.sleep(120)"}))
+
+        caller = threading.Thread(target=long_call)
+        caller.start()
+        assert sb.exec("sleep 1; echo waited").stdout == "waited\n"  # the run is under way
+        served.proc.send_signal(signal.SIGTERM)
+        caller.join(60)
+        assert served.proc.wait(60) == 0, served.log.read_text()
+        [reply] = replies
+        assert reply.status_code == 503, reply.text
+        assert reply.json()["type"] == "ServiceStopping"
+        assert "stopping" in reply.json()["error"]
+    finally:
+        served.stop()
