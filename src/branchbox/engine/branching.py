@@ -25,6 +25,7 @@ from branchbox.engine.layers import (
 )
 from branchbox.engine.live import Body, Live, new_id
 from branchbox.engine.records import SandboxRecord
+from branchbox.engine.stopped import describe
 from branchbox.runtime import procfs
 from branchbox.runtime.cgroups import FreezeFailed, Limits, SandboxCgroup
 from branchbox.runtime.channel import AgentChannel, AgentError
@@ -311,6 +312,7 @@ class Branching:
     async def _take_over(self, sb: Live, old: Body) -> None:
         """Finish a rebind: record, watch and name the new body, give it the id's address;
         the old body is killed and freed in the background (the caller returns now)."""
+        sb.record.meta = {**sb.record.meta, "stack": describe(sb.body.layers)}
         self.records.put(sb.record)
         sb.watcher = asyncio.get_running_loop().create_task(self._watch(sb, sb.body))
         sb.body.channel.on_abandon = functools.partial(self._on_abandon, sb.body)

@@ -156,6 +156,21 @@ class IdRanges:
                 self.records.free_slot(slot)
                 self.taken.pop(slot, None)
 
+    def adopt(self, slot: int, family: str) -> IdRange | None:
+        """The range of a slot :meth:`recover` kept for ``family`` (whose stopped sandboxes'
+        files are owned by it), held once for the caller; None if it was not kept."""
+        if slot not in self.taken or self.records.slots().get(slot) != family:
+            return None
+        ids = self.taken[slot]
+        if isinstance(ids, IdRange):
+            ids.hold()
+            return ids
+        maps = self._maps.get(slot)
+        if maps is None:
+            maps = self._maps[slot] = _SlotMaps(slot_base(slot))
+        ids = self.taken[slot] = IdRange(self, slot, family, maps)
+        return ids
+
     def allocate(self, family: str) -> IdRange:
         """A free slot for new family ``family`` (recorded before it is used)."""
         for slot in range(1, SLOTS):

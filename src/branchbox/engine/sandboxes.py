@@ -24,9 +24,10 @@ from branchbox.engine.checkpoints import Checkpoint, Checkpoints
 from branchbox.engine.config import EngineConfig
 from branchbox.engine.events import EventBus
 from branchbox.engine.host_image import HOST, HostImage, HostImageUnavailable
-from branchbox.engine.idranges import IdRanges
+from branchbox.engine.idranges import IdRange, IdRanges
 from branchbox.engine.images import SavedImages
 from branchbox.engine.layers import (
+    FrozenLayer,
     Layers,
     WorkspaceLower,
 )
@@ -36,6 +37,7 @@ from branchbox.engine.pausing import Pausing, refuse_paused
 from branchbox.engine.records import Records, SandboxRecord
 from branchbox.engine.repl_end import repl_ended
 from branchbox.engine.run_guard import RunDeadline, acquire, release_when_quiet, until_gone
+from branchbox.engine.stopped import Stopped, StoppedSandboxes, describe
 from branchbox.engine.warm import WarmPool
 from branchbox.engine.workspaces import Workspaces
 from branchbox.runtime import rootfs
@@ -68,7 +70,8 @@ ATTACH_DIR = Path("/run/branchbox/attach")
 _LOCK_FREE_OPS = {"ping", "wait", "kill", "ps", "follow", "input", "close_stdin"}
 
 
-class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints):
+class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
+             StoppedSandboxes):
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.live: dict[str, Live] = {}
@@ -80,6 +83,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints)
         # descendant whose intermediate ancestors are closed can still be merged.
         self._lineage: dict[str, tuple[str, int]] = {}
         self._checkpoints: dict[str, Checkpoint] = {}  # by id; see engine.checkpoints
+        self._stopped: dict[str, Stopped] = {}  # files kept, no processes (engine.stopped)
         self._generations = itertools.count(1)
         self._unfavor = None
         self._thaw_guard: ThawGuard | None = None
@@ -122,8 +126,10 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints)
         else:
             log.warning("no per-sandbox disk limits: %s", self.store.no_quota)
         self._clear_volumes()
-        # The store is empty now: no file of an earlier family's range is left in a layer.
+        # Only stopped sandboxes' files are left in the store: their families keep their
+        # id slots, every other slot is free again.
         self.ids.recover({rec.family for rec in self.records.live()})
+        self._load_stopped()
         self.agent_layer = rootfs.prepare_agent_layer(cfg.data_dir / "agent-layer")
         self.host_image = HostImage(cfg.host_deny, [cfg.data_dir, cfg.image_cache],
                                     self.store.root, self.agent_layer)
@@ -135,17 +141,17 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints)
         self._refill("default")  # warm sandboxes for the first creates
 
     def _reap_leftovers(self) -> None:
-        """Whatever an earlier daemon of this data directory left: kill, remove, mark closed."""
+        """Whatever an earlier daemon of this data directory left: kill and remove its
+        processes; its sandboxes are stopped (files kept) or closed (engine.stopped)."""
         for cg in SandboxCgroup.leftovers(self.config.cgroup_group):
             cg.remove()
-        stale = [rec.id for rec in self.records.live()]
-        if stale:
-            log.warning("closing %d sandboxes left by an earlier daemon", len(stale))
-            self.records.mark_closed(stale)
+        self._mark_stopped()
 
     def _clear_volumes(self) -> None:
+        keep = self._kept_volumes()
         for path in sorted(self.layers.root.iterdir()):
-            self.layers.backend.delete(path)
+            if path.name not in keep:
+                self.layers.backend.delete(path)
 
     async def stop(self) -> None:
         self._stopping = True
@@ -155,6 +161,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints)
         for sid in list(self.live):
             with contextlib.suppress(errors.EngineError):
                 await self.close(sid)
+        self._release_stopped()
         SandboxCgroup.remove_group(self.config.cgroup_group)
         if self.net is not None:
             await self.net.stop()
@@ -183,6 +190,8 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints)
         return list(self.live.values())
 
     def info(self, sandbox_id: str) -> dict:
+        if (stopped := self.stopped_info(sandbox_id)) is not None:
+            return stopped
         sb = self.get(sandbox_id)
         rec = sb.record
         usage: dict = {}
@@ -319,19 +328,25 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints)
         return sb
 
     async def _spawn(self, image: str, meta: dict, env: dict[str, str] | None,
-                     workspace: Path | None) -> Live:
+                     workspace: Path | None, *, sid: str | None = None,
+                     frozen: list[FrozenLayer] = (), ids: IdRange | None = None) -> Live:
         """A new family and its first sandbox (not yet adopted: no timer, not listed), in
-        a host id range of its own, with host directory ``workspace`` (validated) if any."""
+        a host id range of its own, with host directory ``workspace`` (validated) if any.
+        A stopped sandbox's start passes its id, its files as ``frozen`` layers and its
+        family's id range."""
         base = await self._base_layers(image)
-        sid = new_id()
+        sid = sid or new_id()
         key = secrets.token_hex(8)
         disk_mb = meta.get("disk_mb")
-        ids = self.ids.allocate(sid)  # held by the family's processes, dropped at its exit
+        if ids is None:
+            ids = self.ids.allocate(sid)  # held by the family's processes, dropped at exit
+        else:
+            ids.hold()
         try:
             for path in base:  # a slot's first family maps the image (a process start)
                 await asyncio.to_thread(ids.lower, path)
             branch = self._workspace_branch(workspace, ids) if workspace is not None else None
-            stack = self.layers.new_stack([], base, branch, ids=ids,
+            stack = self.layers.new_stack(list(frozen), base, branch, ids=ids,
                                           disk_bytes=None if disk_mb is None else disk_mb << 20)
         except BaseException:
             ids.drop()
@@ -377,6 +392,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints)
 
     def _adopt(self, sb: Live, timeout: float | None) -> None:
         self.live[sb.id] = sb
+        sb.record.meta = {**sb.record.meta, "stack": describe(sb.body.layers)}
         self.records.put(sb.record)
         sb.watcher = asyncio.get_running_loop().create_task(self._watch(sb, sb.body))
         sb.body.channel.on_abandon = functools.partial(self._on_abandon, sb.body)
@@ -471,6 +487,8 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints)
 
     # -------------------------------------------------------------------- close
     async def close(self, sandbox_id: str) -> None:
+        if await self._close_stopped(sandbox_id):
+            return
         sb = self.live.pop(sandbox_id, None)
         if sb is None:
             raise errors.SandboxNotFound()

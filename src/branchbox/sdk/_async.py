@@ -115,8 +115,13 @@ class AsyncSandbox:
             await api.release()
 
     async def start(self) -> AsyncSandbox:
-        """Create the sandbox on the server (``async with`` does this); returns self."""
-        if self._state == "new":
+        """Create the sandbox on the server (``async with`` does this); for one attached
+        with ``connect`` that is ``stopped`` (its processes gone with a host or daemon
+        restart, its files kept), a fresh REPL on its files. Returns self."""
+        if self._state == "open":
+            info = await self._api.call("POST", self._url("/start"))
+            self._ip = info.get("address")
+        elif self._state == "new":
             assert self._spec is not None
             try:
                 await self._api.ready()

@@ -130,6 +130,11 @@ class Sandbox:
         """``n`` copies of this sandbox as it is now: memory, files, env, cwd."""
         return [Sandbox._wrap(child) for child in portal.run(self._core.fork(n))]
 
+    def start(self) -> Sandbox:
+        """See ``AsyncSandbox.start``: a stopped sandbox gets a fresh REPL on its files."""
+        portal.run(self._core.start())
+        return self
+
     pause = blocking(AsyncSandbox.pause)
     resume = blocking(AsyncSandbox.resume)
 

@@ -1,4 +1,5 @@
-"""Pause/resume and checkpoints: a sandbox held still, and instants of it kept to go back to.
+"""Pause/resume, start and checkpoints: a sandbox held still or started again, and instants
+of it kept to go back to.
 
 Every route is under ``/v1/sandboxes/{id}``, so a request is routable by its sandbox
 id alone (a checkpoint lives on its sandbox's node).
@@ -26,6 +27,13 @@ async def pause(sandbox_id: str, engine: EngineDep) -> dict:
 async def resume(sandbox_id: str, engine: EngineDep) -> dict:
     """Thaw a paused sandbox; returns its info."""
     return await engine.resume(sandbox_id)
+
+
+@router.post("/start")
+async def start(sandbox_id: str, engine: EngineDep) -> dict:
+    """A stopped sandbox (processes gone, files kept) runs again with a fresh REPL on its
+    files; a no-op for a running one. Returns its info."""
+    return await engine.start_sandbox(sandbox_id)
 
 
 @router.post("/checkpoints", status_code=201)

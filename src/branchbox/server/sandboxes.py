@@ -32,7 +32,8 @@ async def create_sandbox(body: CreateSandbox, engine: EngineDep) -> dict:
 
 @router.get("")
 async def list_sandboxes(engine: EngineDep) -> dict:
-    return {"sandboxes": [engine.info(sb.id) for sb in engine.list()]}
+    ids = [sb.id for sb in engine.list()] + engine.stopped_ids()  # stopped: files kept
+    return {"sandboxes": [engine.info(sandbox_id) for sandbox_id in ids]}
 
 
 @router.get("/{sandbox_id}")

@@ -1,0 +1,191 @@
+"""Sandboxes whose processes are gone but whose files are kept: ``stopped``, and ``start()``.
+
+A sandbox's processes die with the host (a reboot) and, today, with the daemon
+(kill -9: the launcher has a parent-death signal, the REPL exits when its control
+socket closes). Its files need not: every record says which volumes its root is
+stacked from (``meta["stack"]``: writable volume, frozen layers top first, disk
+limit, id slot; written whenever a body is bound to the record). So a daemon that
+starts on the data directory keeps those volumes and the family's id slot (the
+files are owned by its host id range), lists the sandbox as ``stopped`` under the
+same id, and ``start_sandbox`` gives it a new family and a fresh REPL on the same
+files: the stopped volume becomes a frozen layer under a new writable one, as a
+fork child's does. Memory is lost, and with it checkpoints (a checkpoint is memory).
+
+What is not kept yet, closed at start-up with the reason in its record's meta
+(``lost``): a sandbox with a workspace (its branch's commit bookkeeping lives in
+the daemon's memory), and one whose volumes or id slot are missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+from branchbox.agent.protocol import ChannelClosed
+from branchbox.engine import errors
+from branchbox.engine.layers import FrozenLayer, LayerStack
+from branchbox.engine.records import SandboxRecord
+from branchbox.runtime.channel import AgentError
+
+log = logging.getLogger("branchbox.engine")
+
+STOPPED = "stopped"
+# Records in these states had processes an earlier daemon ran; their files can be kept.
+_RUNNING_STATES = ("ready", "gone", "paused", STOPPED)
+
+
+def describe(stack: LayerStack) -> dict:
+    """What a record keeps of a body's root so a later daemon can stack it again."""
+    return {"volume": stack.volume.name, "frozen": [layer.path.name for layer in stack.frozen],
+            "disk_bytes": stack.disk_bytes, "slot": None if stack.ids is None else stack.ids.slot}
+
+
+def why_not_kept(rec: SandboxRecord) -> str | None:
+    """Why an earlier daemon's sandbox cannot come back stopped, or None if it can."""
+    if rec.state not in _RUNNING_STATES:
+        return f"a {rec.state} sandbox holds memory only"
+    if not isinstance(rec.meta.get("stack"), dict):
+        return "its record does not say which volumes hold its files"
+    if rec.meta.get("workspace"):
+        return "sandboxes with a workspace are not kept across a daemon restart yet"
+    return None
+
+
+@dataclass(eq=False)
+class Stopped:
+    record: SandboxRecord
+    stack: LayerStack
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+
+class StoppedSandboxes:
+    """Mixed into Engine (uses its records, layers, id ranges and _spawn)."""
+
+    def _mark_stopped(self) -> None:
+        """At start-up, once an earlier daemon's processes are killed: every sandbox whose
+        files can be kept is ``stopped``; every other one is closed, with the reason."""
+        lost = []
+        for rec in self.records.live():
+            reason = why_not_kept(rec)
+            if reason is None:
+                rec.state = STOPPED
+            else:
+                rec.meta = {**rec.meta, "lost": reason}
+                lost.append(rec.id)
+            self.records.put(rec)
+        if lost:
+            log.warning("closing %d sandboxes left by an earlier daemon (memory only, or "
+                        "not kept: see their records' meta.lost)", len(lost))
+            self.records.mark_closed(lost)
+
+    def _kept_volumes(self) -> set[str]:
+        """Names of the store's volumes that stopped sandboxes stand on."""
+        names: set[str] = set()
+        for rec in self.records.live():
+            stack = rec.meta["stack"]
+            names.update([stack["volume"], *stack["frozen"]])
+        return names
+
+    def _load_stopped(self) -> None:
+        """After the id slots are recovered: each stopped sandbox's layer stack, rebuilt
+        from its record (frozen layers shared between sandboxes are counted once each)."""
+        frozen: dict[str, FrozenLayer] = {}
+        slots: dict[int, object] = {}
+        lost = []
+        for rec in self.records.live():
+            desc = rec.meta["stack"]
+            names = [desc["volume"], *desc["frozen"]]
+            ids = slots.get(desc["slot"])
+            if ids is None and desc["slot"] is not None:
+                ids = slots[desc["slot"]] = self.ids.adopt(desc["slot"], rec.family)
+            if ids is None or not all((self.layers.root / n).is_dir() for n in names):
+                rec.meta = {**rec.meta, "lost": "its volumes or its id slot are gone"}
+                self.records.put(rec)
+                lost.append(rec.id)
+                continue
+            layers = [frozen.setdefault(n, FrozenLayer(self.layers.root / n,
+                                                       disk_bytes=desc["disk_bytes"]))
+                      for n in desc["frozen"]]
+            for layer in layers:
+                layer.refs += 1
+            ids.hold()
+            stack = LayerStack(self.layers.root / desc["volume"], layers, [],
+                               disk_bytes=desc["disk_bytes"], ids=ids)
+            self._stopped[rec.id] = Stopped(rec, stack)
+        for ids in slots.values():
+            ids.drop()  # adopt's own hold: the stacks hold the slot now
+        if lost:
+            self.records.mark_closed(lost)
+        if self._stopped:
+            log.warning("%d sandboxes of an earlier daemon are stopped (files kept; "
+                        "start() gives each a fresh REPL)", len(self._stopped))
+
+    def stopped_ids(self) -> list[str]:
+        return list(self._stopped)
+
+    def stopped_info(self, sandbox_id: str) -> dict | None:
+        """A stopped sandbox's info (what ``info`` shows for it), or None."""
+        st = self._stopped.get(sandbox_id)
+        if st is None:
+            return None
+        rec = st.record
+        return {"id": rec.id, "state": STOPPED, "parent_id": rec.parent_id, "children": [],
+                "family": rec.family, "image": rec.image, "created": rec.created,
+                "hostname": rec.id, "address": None, "network": rec.meta.get("network"),
+                "layers": len(st.stack.frozen), "resources": {}}
+
+    async def start_sandbox(self, sandbox_id: str) -> dict:
+        """A stopped sandbox runs again: a new family and a fresh REPL on its files, same
+        id (its address is a new one). A no-op for a running sandbox. Returns its info."""
+        st = self._stopped.get(sandbox_id)
+        if st is None:
+            return self.info(sandbox_id)  # running (or 404)
+        async with st.lock:
+            if self._stopped.get(sandbox_id) is not st:  # started or closed meanwhile
+                return self.info(sandbox_id)
+            meta = st.record.meta
+            # The stopped volume is frozen as it is, under a new writable volume: the
+            # failure of any later step leaves the stopped sandbox exactly as it was.
+            top = await asyncio.to_thread(self.layers.freeze, st.stack)
+            try:
+                sb = await self._spawn(st.record.image, {**meta, "cwd": "/", "disk_mb": None},
+                                       None, None, sid=st.id, frozen=[top, *st.stack.frozen],
+                                       ids=st.stack.ids)
+            finally:
+                if top.refs == 0:
+                    self.layers.drop(top)
+            with contextlib.suppress(AgentError, ChannelClosed, OSError):  # cwd may be gone
+                await sb.body.channel.call("configure", {"env": {}, "cwd": meta.get("cwd")})
+            del self._stopped[sandbox_id]
+            self.layers.release(st.stack)
+            st.record.instance, st.record.state = sb.body.key, "ready"
+            sb.record = st.record
+            self.net.apply([sb.body.key], meta.get("network") or self.net.policy_of(None, None))
+            self._adopt(sb, meta.get("timeout"))
+        return self.info(sandbox_id)
+
+    async def _close_stopped(self, sandbox_id: str) -> bool:
+        """Close a stopped sandbox (its files go); False if it is not a stopped one."""
+        st = self._stopped.get(sandbox_id)
+        if st is None:
+            return False
+        async with st.lock:
+            if self._stopped.pop(sandbox_id, None) is None:
+                raise errors.SandboxNotFound()
+            self.records.mark_closed([sandbox_id])
+            await asyncio.to_thread(self.layers.release, st.stack)
+        return True
+
+    def _release_stopped(self) -> None:
+        """A daemon's stop without --keep: stopped sandboxes end with the rest."""
+        for sandbox_id in list(self._stopped):
+            st = self._stopped.pop(sandbox_id)
+            self.records.mark_closed([sandbox_id])
+            self.layers.release(st.stack)
+

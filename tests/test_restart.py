@@ -1,0 +1,96 @@
+"""A daemon restart keeps every sandbox's files (issue 13, part 4 and the first subset of
+part 3): processes that died with the daemon (kill -9) or the host come back as
+``stopped`` sandboxes under the same ids, and ``start()`` gives each a fresh REPL on its
+files. Against real ``branchbox serve`` processes on one data directory."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+
+import pytest
+from served import ServedDaemon
+
+from branchbox import Sandbox, SandboxError, SandboxNotFound
+from branchbox.engine.config import EngineConfig
+from branchbox.runtime.cgroups import SandboxCgroup
+
+KEY = "restart-test-key"
+
+
+def family_pids(group: str) -> list[int]:
+    return [pid for cg in SandboxCgroup.leftovers(group) for pid in cg.pids()]
+
+
+def kill_hard(daemon: ServedDaemon, group: str) -> None:
+    """kill -9 the daemon, then every process of its sandboxes, as a host reboot would."""
+    daemon.proc.send_signal(signal.SIGKILL)
+    daemon.proc.wait()
+    for pid in family_pids(group):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while family_pids(group):
+        assert time.monotonic() < deadline, "the sandboxes' processes would not die"
+        time.sleep(0.05)
+
+
+def test_sandboxes_come_back_stopped_with_their_files() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "BRANCHBOX_API_KEY"}
+    env["BRANCHBOX_API_KEY"] = KEY
+    first = ServedDaemon("restart", env)
+    group = EngineConfig(data_dir=first.data_dir).cgroup_group
+    second = None
+    try:
+        sb = Sandbox(url=first.url, api_key=KEY)
+        sb.run_code("x = 'lost with the memory'")
+        sb.files.write("/root/kept.txt", b"kept")
+        (kid,) = sb.fork(1)
+        kid.files.write("/root/kid.txt", b"kid's")
+        sb.checkpoint("memory only")
+        spare = Sandbox(url=first.url, api_key=KEY)
+        spare.files.write("/root/spare.txt", b"spare")
+        ids = {sb.id, kid.id, spare.id}
+        for each in (sb, kid, spare):
+            each.detach()
+        kill_hard(first, group)
+
+        second = ServedDaemon("restart", env, data_dir=first.data_dir)
+        listed = {i["id"]: i["state"] for i in Sandbox.list_all(url=second.url, api_key=KEY)}
+        assert {i: listed.get(i) for i in ids} == dict.fromkeys(ids, "stopped")
+        sb = Sandbox.connect(sb.id, url=second.url, api_key=KEY)
+        assert sb.info()["state"] == "stopped"
+        with pytest.raises(SandboxError):
+            sb.run_code("1")  # no REPL until start()
+
+        sb.start()
+        assert sb.info()["state"] == "ready"
+        assert sb.files.read("/root/kept.txt") == b"kept"
+        assert sb.run_code("'x' in globals()").text == "False"  # a fresh REPL
+        assert sb.exec("hostname").stdout.strip() == sb.id
+        sb.files.write("/root/after.txt", b"after")
+        (grandkid,) = sb.fork(1)  # a started sandbox forks like any other
+        assert grandkid.files.read("/root/after.txt") == b"after"
+        grandkid.close()
+        assert sb.checkpoints() == []  # checkpoints were memory
+
+        kid = Sandbox.connect(kid.id, url=second.url, api_key=KEY).start()
+        assert kid.files.read("/root/kid.txt") == b"kid's"
+        assert kid.files.read("/root/kept.txt") == b"kept"  # from its parent's layer
+        assert sb.start().info()["state"] == "ready"  # a no-op on a running sandbox
+
+        spare = Sandbox.connect(spare.id, url=second.url, api_key=KEY)
+        spare.close()  # closed while stopped: its files go
+        with pytest.raises(SandboxNotFound):
+            Sandbox.connect(spare.id, url=second.url, api_key=KEY)
+        kid.close()
+        sb.close()
+    finally:
+        if second is not None:
+            second.stop()
+        elif first.proc.poll() is None:
+            first.stop()
+        else:  # reap what the killed daemon left
+            ServedDaemon("restart", env, data_dir=first.data_dir).stop()
