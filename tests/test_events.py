@@ -107,6 +107,28 @@ def test_fork_merge_round_arrives_in_order(daemon: ServedDaemon) -> None:
     assert all(e["ts"] <= f["ts"] for e, f in zip(ours, ours[1:], strict=False))
 
 
+def test_checkpoint_restore_and_forks_of_a_checkpoint(daemon: ServedDaemon) -> None:
+    listener = Listener(daemon)
+    try:
+        with Sandbox(url=daemon.url, api_key=KEY) as sb:
+            cp = sb.checkpoint("start")
+            sb.run_code("x = 1")
+            sb.restore(cp)
+            (child,) = cp.fork(1)
+            child.close()
+        events = listener.until(_is("close", sb.id))
+    finally:
+        listener.close()
+    ours = [e for e in events if e["family"] == sb.id]
+    assert [e["type"] for e in ours] == [
+        "create", "checkpoint", "exec", "restore", "fork", "close", "close"]
+    _, made, _, restored, fork, *_ = ours
+    assert made["checkpoint"] == cp.id and made["name"] == "start"
+    assert restored["sandbox"] == sb.id and restored["checkpoint"] == cp.id
+    assert fork["sandbox"] == sb.id and fork["children"] == [child.id]
+    assert fork["checkpoint"] == cp.id
+
+
 def test_resume_after_an_id_and_from_last_event_id(daemon: ServedDaemon) -> None:
     with Sandbox(url=daemon.url, api_key=KEY) as sb:
         sb.run_code("1 + 1")

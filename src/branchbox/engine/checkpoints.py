@@ -116,6 +116,7 @@ class Checkpoints:
             cp = Checkpoint(record, body)
             self._checkpoints[cp.id] = cp
             self.records.put(record)
+            self.events.publish("checkpoint", sb.record, checkpoint=cp.id, name=name)
             return cp
         finally:
             sb.lock.release()
@@ -153,6 +154,7 @@ class Checkpoints:
                 ((_, body),) = await self._copy_checkpoint(cp, sb.record.meta, 1)
             old = self._rebind(sb, body)
             await self._take_over(sb, old)
+            self.events.publish("restore", sb.record, checkpoint=checkpoint_id)
         finally:
             sb.lock.release()
 
@@ -170,7 +172,10 @@ class Checkpoints:
             for _, body in made:
                 await self._destroy_body(body)
             raise errors.SandboxNotFound()
-        return self._adopt_children(sb, made, cp.record.meta["generation"])
+        children = self._adopt_children(sb, made, cp.record.meta["generation"])
+        self.events.publish("fork", sb.record, children=[c.id for c in children],
+                            checkpoint=checkpoint_id)
+        return children
 
     async def delete_checkpoint(self, sandbox_id: str, checkpoint_id: str) -> None:
         cp = self._checkpoint_of(sandbox_id, checkpoint_id)

@@ -1,9 +1,9 @@
 """The daemon's lifecycle event bus: what ``GET /v1/events`` and the ``/ui`` page watch.
 
-The engine publishes one event per create, fork, merge, close, REPL death
-(``gone``), run (``exec``: ``run_code`` and commands) and workspace commit. A
-checkpoint or restore publishes ``checkpoint`` / ``restore`` the same way (one
-``self.events.publish(kind, record, ...)`` line where it completes).
+The engine publishes one event per create, fork (of a sandbox or of a
+checkpoint), merge, close, REPL death (``gone``), run (``exec``: ``run_code`` and
+commands), workspace commit, checkpoint and restore: one
+``self.events.publish(kind, record, ...)`` line where each completes.
 
 Every event is a small JSON-able dict: ``id`` (rising by one per event, per
 daemon), ``type``, ``ts`` (epoch seconds), ``sandbox``, ``parent``, ``family``

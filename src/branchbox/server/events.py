@@ -31,11 +31,13 @@ _DESCRIPTION = (
     "Server-sent events, one per lifecycle step: ``id: N`` and ``data: {JSON}`` with "
     "``id``, ``type`` (create | fork | merge | close | gone | exec | commit | checkpoint | "
     "restore | lost), ``ts``, ``sandbox``, ``parent``, ``family`` and the type's fields: "
-    "fork ``children`` and ``took``; merge ``winner`` (the child whose state the sandbox now "
-    "has; its id is retired); exec ``op``, ``code``, ``stdout``, ``stderr`` (tails of at most "
-    "2048 characters), ``text``, ``error``, ``exit_code``, ``duration``; commit "
-    "``workspace``, ``version``, ``changed``. ``lost`` (no id) says ``count`` events were "
-    "dropped (-1: unknown) and the stream goes on at ``resume``.")
+    "fork ``children`` and ``took`` (or ``checkpoint``: forked from that checkpoint); "
+    "merge ``winner`` (the child whose state the sandbox now has; its id is retired); "
+    "exec ``op``, ``code``, ``stdout``, ``stderr`` (tails of at most 2048 characters), "
+    "``text``, ``error``, ``exit_code``, ``duration``; commit ``workspace``, ``version``, "
+    "``changed``; checkpoint ``checkpoint`` (its id) and ``name``; restore ``checkpoint``. "
+    "``lost`` (no id) says ``count`` events were dropped (-1: unknown) and the stream goes "
+    "on at ``resume``.")
 
 
 @router.get("/v1/events", response_class=StreamingResponse,

@@ -137,7 +137,7 @@ function apply(ev) {
       break;
     case "checkpoint":
     case "restore":
-      if (node) badge(node, ev.type, ev.type);
+      if (node) badge(node, "checkpoint", `${ev.type} ${ev.name || short(ev.checkpoint)}`);
       break;
     case "commit":
       if (node) badge(node, "commit", `committed v${ev.version}`);
