@@ -1,0 +1,354 @@
+"""E2B's published SDKs (``e2b``, ``e2b-code-interpreter``) against a branchbox daemon.
+
+The SDKs run unmodified in a virtualenv of their own (see ``e2b_sdk``), pointed at a
+``branchbox serve`` on loopback by the environment variables a user sets:
+``E2B_API_URL`` and ``E2B_SANDBOX_URL`` (the daemon) and ``E2B_API_KEY`` (one of its
+keys). Each test runs a short script with the SDK's python and checks what it
+prints, sync and async. Needs root, the default image and the package registry
+the host's pip is configured with (for the SDKs' virtualenv, made once).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import textwrap
+from collections.abc import Iterator
+
+import pytest
+from e2b_sdk import sdk_python
+from served import ServedDaemon
+
+API_KEY = "e2b-compat-test-key"
+MISSING = "sbx_" + "0" * 32
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[ServedDaemon]:
+    env = {**os.environ, "BRANCHBOX_API_KEY": API_KEY}
+    server = ServedDaemon("e2b", env)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def run(daemon: ServedDaemon, script: str, key: str = API_KEY, timeout: float = 240) -> dict:
+    """Run ``script`` with the SDKs' python against ``daemon``; the JSON object it prints
+    last. A failing script fails the test with its output."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
+    env.update(E2B_API_URL=daemon.url, E2B_SANDBOX_URL=daemon.url, E2B_API_KEY=key)
+    done = subprocess.run([str(sdk_python()), "-c", textwrap.dedent(script)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        pytest.fail(f"the E2B script failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_readme_examples(daemon: ServedDaemon) -> None:
+    """The examples of both SDKs' READMEs, as written there."""
+    out = run(daemon, """
+        import contextlib, io, json
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            from e2b import Sandbox
+
+            with Sandbox.create() as sandbox:
+                result = sandbox.commands.run('echo "Hello from E2B!"')
+                print(result.stdout)  # Hello from E2B!
+
+            from e2b_code_interpreter import Sandbox
+
+            with Sandbox.create() as sandbox:
+                sandbox.run_code("x = 1")
+                execution = sandbox.run_code("x+=1; x")
+                print(execution.text)  # outputs 2
+        print(json.dumps({"printed": printed.getvalue(), "left": len(Sandbox.list().next_items())}))
+    """)
+    assert out == {"printed": "Hello from E2B!\n\n2\n", "left": 0}
+
+
+def test_lifecycle_metadata_paging_timeout(daemon: ServedDaemon) -> None:
+    out = run(daemon, """
+        import datetime, json
+        from e2b import Sandbox, SandboxQuery, NotFoundException
+        a = Sandbox.create(metadata={"task": "one", "team": "x"}, timeout=120)
+        b = Sandbox.create(metadata={"task": "two", "team": "x"})
+        c = Sandbox.create(metadata={"task": "three", "team": "y"})
+        info = a.get_info()
+        team_x = Sandbox.list(query=SandboxQuery(metadata={"team": "x"}), limit=1)
+        pages = []
+        while team_x.has_next:
+            pages.append([s.sandbox_id for s in team_x.next_items()])
+        before = info.end_at
+        a.set_timeout(3600)
+        after = a.get_info().end_at
+        c.kill()
+        try:
+            Sandbox.get_info(c.sandbox_id)
+            gone = "still there"
+        except NotFoundException as exc:
+            gone = type(exc).__name__
+        again = Sandbox.kill(c.sandbox_id)
+        same = Sandbox.connect(a.sandbox_id)
+        same_runs = same.commands.run("echo connected").stdout
+        print(json.dumps({
+            "template": info.template_id, "metadata": info.metadata,
+            "state": info.state.value, "pages": pages, "ids": [a.sandbox_id, b.sandbox_id],
+            "lifetime": (before - info.started_at).total_seconds(),
+            "extended": (after - datetime.datetime.now(datetime.timezone.utc)).total_seconds(),
+            "gone": gone, "killed_again": again, "connected": same_runs,
+            "running": a.is_running()}))
+        a.kill(); b.kill()
+    """)
+    assert out["template"] == "default" and out["state"] == "running"
+    assert out["metadata"] == {"task": "one", "team": "x"}
+    assert out["pages"] == [[out["ids"][0]], [out["ids"][1]]]  # one a page, oldest first
+    assert 119 <= out["lifetime"] <= 121
+    assert 3500 < out["extended"] <= 3600
+    assert out["gone"] == "SandboxNotFoundException" and out["killed_again"] is False
+    assert out["connected"] == "connected\n" and out["running"] is True
+
+
+def test_wrong_key_and_unknown_sandbox(daemon: ServedDaemon) -> None:
+    out = run(daemon, """
+        import json
+        from e2b import Sandbox, AuthenticationException, NotFoundException
+        seen = {}
+        try:
+            Sandbox.create()
+        except AuthenticationException as exc:
+            seen["create"] = type(exc).__name__
+        print(json.dumps(seen))
+    """, key="not-a-key")
+    assert out == {"create": "AuthenticationException"}
+    out = run(daemon, f"""
+        import json
+        from e2b import Sandbox, AuthenticationException, NotFoundException
+        seen = {{}}
+        for name, call in (("connect", lambda: Sandbox.connect("{MISSING}")),
+                           ("info", lambda: Sandbox.get_info("{MISSING}"))):
+            try:
+                call()
+            except NotFoundException as exc:
+                seen[name] = "NotFoundException"
+        sbx = Sandbox.create()
+        # The sandbox plane wants the token the control plane gave for this sandbox.
+        stranger = Sandbox.connect(sbx.sandbox_id)
+        stranger.connection_config._ConnectionConfig__extra_sandbox_headers[
+            "X-Access-Token"] = "0" * 64
+        try:
+            Sandbox(sandbox_id=sbx.sandbox_id, sandbox_domain=None,
+                    envd_version=stranger._envd_version, envd_access_token="0" * 64,
+                    traffic_access_token=None,
+                    connection_config=stranger.connection_config).commands.run("true")
+        except AuthenticationException:
+            seen["sandbox_plane"] = "AuthenticationException"
+        sbx.kill()
+        print(json.dumps(seen))
+    """)
+    assert out == {"connect": "NotFoundException", "info": "NotFoundException",
+                   "sandbox_plane": "AuthenticationException"}
+
+
+def test_commands(daemon: ServedDaemon) -> None:
+    out = run(daemon, """
+        import json, time
+        from e2b import Sandbox, CommandExitException
+        with Sandbox.create() as sbx:
+            fg = sbx.commands.run("echo hi > /tmp/x && cat /tmp/x; echo err >&2; pwd")
+            try:
+                sbx.commands.run("exit 3")
+                failed = None
+            except CommandExitException as exc:
+                failed = exc.exit_code
+            cat = sbx.commands.run("cat", background=True, stdin=True)
+            sbx.commands.send_stdin(cat.pid, "line one\\n")
+            sbx.commands.send_stdin(cat.pid, "line two\\n")
+            listed = [p.pid for p in sbx.commands.list()]
+            sbx.commands.close_stdin(cat.pid)
+            cat_result = cat.wait()
+            sleeper = sbx.commands.run("echo started; touch /tmp/up; sleep 600",
+                                       background=True)
+            while not sbx.files.exists("/tmp/up"):
+                time.sleep(0.05)
+            seen = []
+            again = sbx.commands.connect(sleeper.pid)
+            killed = sleeper.kill()
+            try:
+                again.wait(on_stdout=seen.append)
+                sleeper_code = 0
+            except CommandExitException as exc:
+                sleeper_code = exc.exit_code
+            gone = sbx.commands.kill(sleeper.pid)
+            print(json.dumps({
+                "stdout": fg.stdout, "stderr": fg.stderr, "exit": fg.exit_code,
+                "failed": failed, "cat": cat_result.stdout, "listed": cat.pid in listed,
+                "killed": killed, "sleeper_code": sleeper_code, "seen": seen,
+                "kill_again": gone}))
+    """)
+    assert out["stdout"] == "hi\n/home/user\n" and out["stderr"] == "err\n" and out["exit"] == 0
+    assert out["failed"] == 3
+    assert out["cat"] == "line one\nline two\n" and out["listed"] is True
+    assert out["killed"] is True and out["sleeper_code"] == 137
+    assert out["seen"] == ["started\n"]  # the connected handle got the output kept so far
+    assert out["kill_again"] is False
+
+
+def test_files(daemon: ServedDaemon) -> None:
+    out = run(daemon, """
+        import json
+        from e2b import Sandbox, NotFoundException
+        with Sandbox.create() as sbx:
+            sbx.files.write("/home/user/data.txt", "hello")
+            sbx.files.write("relative.bin", b"\\x00\\xff" * 70000)
+            read = sbx.files.read("/home/user/data.txt")
+            binary = sbx.files.read("/home/user/relative.bin", format="bytes")
+            made = sbx.files.make_dir("/home/user/a/b")
+            made_again = sbx.files.make_dir("/home/user/a/b")
+            moved = sbx.files.rename("/home/user/data.txt", "/home/user/a/b/moved.txt")
+            listed = sorted((e.name, e.type.value) for e in sbx.files.list("/home/user/a", depth=2))
+            info = sbx.files.get_info("/home/user/a/b/moved.txt")
+            exists = [sbx.files.exists(p) for p in ("/home/user/data.txt", moved.path)]
+            sbx.files.remove("/home/user/a")
+            try:
+                sbx.files.read("/home/user/a/b/moved.txt")
+                missing = None
+            except NotFoundException:
+                missing = "NotFoundException"
+            print(json.dumps({
+                "read": read, "binary": len(binary) == 140000 and binary[:2] == b"\\x00\\xff",
+                "made": [made, made_again], "moved": moved.path, "listed": listed,
+                "size": info.size, "exists": exists, "missing": missing,
+                "after": sbx.files.exists("/home/user/a")}))
+    """)
+    assert out["read"] == "hello" and out["binary"] is True
+    assert out["made"] == [True, False] and out["moved"] == "/home/user/a/b/moved.txt"
+    assert out["listed"] == [("b", "dir"), ("moved.txt", "file")] or out["listed"] == [
+        ["b", "dir"], ["moved.txt", "file"]]
+    assert out["size"] == 5 and out["exists"] == [False, True]
+    assert out["missing"] == "NotFoundException" and out["after"] is False
+
+
+def test_run_code(daemon: ServedDaemon) -> None:
+    out = run(daemon, """
+        import json
+        from e2b_code_interpreter import Sandbox, TimeoutException
+        with Sandbox.create(timeout=300, metadata={"task": "demo"}) as sbx:
+            sbx.run_code("import pandas as pd; df = pd.DataFrame({'a': range(10)})")
+            total = sbx.run_code("df.a.sum()").text
+            streamed = []
+            printed = sbx.run_code("print('one'); import sys; print('two', file=sys.stderr)",
+                                   on_stdout=lambda m: streamed.append(m.line))
+            chart = sbx.run_code("import matplotlib.pyplot as plt; plt.plot([1,2,3]); plt.show()")
+            html = sbx.run_code("df.head(2)")
+            ctx_a = sbx.create_code_context()
+            ctx_b = sbx.create_code_context(cwd="/tmp")
+            sbx.run_code("v = 'a'", context=ctx_a)
+            sbx.run_code("v = 'b'", context=ctx_b)
+            values = [sbx.run_code("v", context=c).text for c in (ctx_a, ctx_b)]
+            cwd_b = sbx.run_code("import os; os.getcwd()", context=ctx_b).text
+            main_has_v = sbx.run_code("'v' in globals()").text
+            listed = sorted(c.id for c in sbx.list_code_contexts())
+            sbx.restart_code_context(ctx_a)
+            after_restart = sbx.run_code("'v' in globals()", context=ctx_a).text
+            sbx.remove_code_context(ctx_b)
+            err = sbx.run_code("def f():\\n    raise ValueError('bad')\\nf()").error
+            try:
+                sbx.run_code("import time; time.sleep(60)", timeout=2)
+                timed_out = False
+            except TimeoutException:
+                timed_out = True
+            alive = sbx.run_code("df.a.max()").text
+            print(json.dumps({
+                "total": total, "stdout": printed.logs.stdout, "stderr": printed.logs.stderr,
+                "streamed": streamed, "png": bool(chart.results and chart.results[0].png),
+                "html": bool(html.results and html.results[0].html), "values": values,
+                "cwd_b": cwd_b, "main_has_v": main_has_v, "listed": listed,
+                "ids": sorted([ctx_a.id, ctx_b.id]), "after_restart": after_restart,
+                "left": [c.id for c in sbx.list_code_contexts()], "a": ctx_a.id,
+                "error": [err.name, err.value, "in f" in err.traceback],
+                "timed_out": timed_out, "alive": alive}))
+    """)
+    assert out["total"] == "np.int64(45)" or out["total"] == "45"
+    assert out["stdout"] == ["one\n"] and out["stderr"] == ["two\n"]
+    assert out["streamed"] == ["one\n"]
+    assert out["png"] is True and out["html"] is True
+    assert out["values"] == ["'a'", "'b'"] and out["cwd_b"] == "'/tmp'"
+    assert out["main_has_v"] == "False" and out["listed"] == out["ids"]
+    assert out["after_restart"] == "False" and out["left"] == [out["a"]]
+    assert out["error"] == ["ValueError", "bad", True]
+    assert out["timed_out"] is True and out["alive"] == "np.int64(9)"
+
+
+def test_fork_count(daemon: ServedDaemon) -> None:
+    out = run(daemon, """
+        import json
+        from e2b_code_interpreter import Sandbox
+        with Sandbox.create() as sbx:
+            sbx.run_code("n = 10")
+            sbx.files.write("/home/user/state.txt", "parent")
+            kids = sbx.fork(count=3)
+            for i, kid in enumerate(kids):
+                kid.run_code(f"n += {i + 1}")
+                kid.files.write("/home/user/state.txt", f"kid {i}")
+            seen = [[kid.run_code("n").text, kid.files.read("/home/user/state.txt"),
+                     kid.sandbox_id != sbx.sandbox_id] for kid in kids]
+            parent = [sbx.run_code("n").text, sbx.files.read("/home/user/state.txt")]
+            for kid in kids:
+                kid.kill()
+            print(json.dumps({"kids": seen, "parent": parent,
+                              "distinct": len({k.sandbox_id for k in kids})}))
+    """)
+    assert out["kids"] == [["11", "kid 0", True], ["12", "kid 1", True], ["13", "kid 2", True]]
+    assert out["parent"] == ["10", "parent"] and out["distinct"] == 3
+
+
+def test_async_flavours(daemon: ServedDaemon) -> None:
+    out = run(daemon, """
+        import asyncio, json
+        from e2b_code_interpreter import AsyncSandbox
+        from e2b import AsyncSandbox as PlainAsyncSandbox, NotFoundException
+
+        async def main():
+            sbx = await AsyncSandbox.create(metadata={"flavour": "async"})
+            await sbx.run_code("x = 20")
+            ctx = await sbx.create_code_context()
+            await sbx.run_code("x = 1", context=ctx)
+            values = [(await sbx.run_code("x")).text, (await sbx.run_code("x", context=ctx)).text]
+            chart = await sbx.run_code(
+                "import matplotlib.pyplot as plt; plt.bar([1], [2]); plt.show()")
+            err = (await sbx.run_code("1/0")).error
+            cmd = await sbx.commands.run("echo async; echo e >&2")
+            bg = await sbx.commands.run("cat", background=True, stdin=True)
+            await sbx.commands.send_stdin(bg.pid, "in\\n")
+            await sbx.commands.close_stdin(bg.pid)
+            bg_out = (await bg.wait()).stdout
+            await sbx.files.write("/home/user/f.txt", "async file")
+            read = await sbx.files.read("/home/user/f.txt")
+            names = [e.name for e in await sbx.files.list("/home/user")]
+            kids = await sbx.fork(count=2)
+            kid_values = [(await k.run_code("x")).text for k in kids]
+            listed = await PlainAsyncSandbox.list(
+                query=__import__("e2b").SandboxQuery(metadata={"flavour": "async"})
+            ).next_items()
+            for k in kids:
+                await k.kill()
+            await sbx.kill()
+            try:
+                await PlainAsyncSandbox.get_info(sbx.sandbox_id)
+                gone = False
+            except NotFoundException:
+                gone = True
+            return {"values": values, "png": bool(chart.results[0].png),
+                    "error": err.name, "cmd": [cmd.stdout, cmd.stderr], "bg": bg_out,
+                    "read": read, "has_file": "f.txt" in names, "kids": kid_values,
+                    "listed": len(listed), "gone": gone}
+
+        print(json.dumps(asyncio.run(main())))
+    """)
+    assert out["values"] == ["20", "1"] and out["png"] is True
+    assert out["error"] == "ZeroDivisionError" and out["cmd"] == ["async\n", "e\n"]
+    assert out["bg"] == "in\n" and out["read"] == "async file" and out["has_file"] is True
+    assert out["kids"] == ["20", "20"] and out["listed"] == 3 and out["gone"] is True
