@@ -102,6 +102,7 @@ def test_secrets_and_host_state_are_masked(host_harness, host_sandbox, host_file
     paths = ["/etc/shadow", "/etc/gshadow", "/root/.ssh", str(host_files["netrc"]),
              str(host_files["aws"]), str(host_files["history"]), str(host_files["operator"]),
              str(host_files["operator_home"]), str(host_harness.data_dir),
+             str(host_harness.engine.config.image_cache),
              *map(str, Path("/etc/ssh").glob("ssh_host_*_key"))]
     for path in paths:
         assert host_sandbox.exec(f"test -e {path} || test -L {path}").exit_code == 1, path

@@ -662,7 +662,7 @@ def image_save(sandbox_id: SandboxId,
 
 @command("rm", image_app)
 def image_remove(name: Annotated[str, typer.Argument(help="Image to delete.")]) -> None:
-    """Delete a saved image (refused while a sandbox or another image uses it)."""
+    """Delete a saved or built image (refused while a sandbox or another image uses it)."""
     Sandbox.remove_image(name)
 
 

@@ -3,7 +3,8 @@
 The base layers of a host sandbox, bottom up: the host's root (the root mount
 alone, none of its submounts, id-mapped so host ids 0.. show as the family's:
 host files keep their owners), the mask (storage/host_mask.py: secrets and the
-daemon's own state hidden, /proc /sys /dev /run /tmp the sandbox's own), and
+daemon's own state hidden, and the default data dir and image cache of any other
+daemon on the host, /proc /sys /dev /run /tmp the sandbox's own), and
 the agent layer. The writable layer on top takes every change, so a write to
 /usr lands in the sandbox and never on the host.
 
@@ -27,6 +28,7 @@ import threading
 from pathlib import Path
 
 from branchbox.agent import sysc
+from branchbox.engine.config import DEFAULT_DATA_DIR, DEFAULT_IMAGE_CACHE
 from branchbox.storage import host_mask
 
 HOST = "host"
@@ -76,7 +78,9 @@ class HostImage:
             shutil.copytree(self.agent_layer, top / "agent", symlinks=True)
             (top / "mask").mkdir()
             hidden = host_mask.hidden_paths(self.deny, host_mask.homes())
-            hidden += [str(p.resolve()) for p in self.hidden_dirs]
+            # This daemon's state, and the default places of any other daemon's.
+            own = {*self.hidden_dirs, DEFAULT_DATA_DIR, DEFAULT_IMAGE_CACHE}
+            hidden += [str(p.resolve()) for p in own]
             host_mask.build_mask(top / "mask", hidden, host_mask.OWN_DIRS)
         except BaseException:
             os.close(mount)
