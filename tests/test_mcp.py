@@ -62,9 +62,11 @@ def live(daemon: ServedDaemon) -> set[str]:
 
 
 class McpHttp:
-    """``branchbox mcp --http 127.0.0.1:PORT`` as a process, using ``daemon``."""
+    """``branchbox mcp --http 127.0.0.1:PORT`` as a process, using ``daemon`` (``env`` and
+    ``extra`` arguments replace the daemon's URL and key)."""
 
-    def __init__(self, daemon: ServedDaemon) -> None:
+    def __init__(self, daemon: ServedDaemon, env: dict[str, str] | None = None,
+                 *extra: str) -> None:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
@@ -72,9 +74,9 @@ class McpHttp:
         self.log = daemon.data_dir / f"mcp-{self.port}.log"  # removed with the daemon's
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "branchbox", "mcp", "--http", f"127.0.0.1:{self.port}"],
-                env=server_env(daemon), stdin=subprocess.DEVNULL, stdout=out,
-                stderr=subprocess.STDOUT)
+                [sys.executable, "-m", "branchbox", "mcp", "--http", f"127.0.0.1:{self.port}",
+                 *extra], env=server_env(daemon) if env is None else env,
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
         wait_started(self.proc, self._listening, self.stop, "branchbox mcp --http", self.log)
 
     def _listening(self) -> bool:
@@ -331,3 +333,30 @@ def test_http_wrong_or_missing_key_is_refused(mcp_http: McpHttp) -> None:
         run(mcp_http.client(key="wrong"), listing)
     assert refused.group_contains(MCPError)
     run(mcp_http.client(), listing)  # the right key still works
+
+
+def test_http_without_configured_keys_wants_the_generated_one(daemon: ServedDaemon) -> None:
+    """As for a TCP daemon: no key configured means the one kept in the data directory."""
+    data_dir = daemon.data_dir / "mcp-data"
+    env = {k: v for k, v in os.environ.items() if k not in ("BRANCHBOX_API_KEY", "BRANCHBOX_URL")}
+    server = McpHttp(daemon, env, "--data-dir", str(data_dir))
+    try:
+        key = (data_dir / "api-key").read_text().strip()
+        assert key.startswith("bb_") and (data_dir / "api-key").stat().st_mode & 0o077 == 0
+        body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
+        assert httpx.post(server.url, json=body, timeout=30).status_code == 401
+
+        async def listing(client: Client) -> set[str]:
+            return {tool.name for tool in (await client.list_tools()).tools}
+
+        assert run(server.client(key=key), listing) == TOOLS
+    finally:
+        assert server.stop() == 0
+
+
+@pytest.mark.parametrize("address", ["8788", "localhost", "host:port", ":8788", "h:99999"])
+def test_http_address_must_be_host_and_port(address: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "branchbox", "mcp", "--http", address],
+                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert done.returncode == 1
+    assert "HOST:PORT" in done.stderr and "Traceback" not in done.stderr
