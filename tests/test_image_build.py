@@ -127,6 +127,19 @@ def test_a_failing_step_shows_its_output_and_leaves_no_image(harness, context) -
     remove(harness, "fails")
 
 
+def test_from_a_debian_suite(harness, make) -> None:
+    # Debootstrapped from the host's apt sources on first use (minbase and python3), cached.
+    build(harness, "bare-bookworm", "FROM bookworm\nRUN echo 'ID=bare' > /etc/bare\n")
+    sb = make(image="bare-bookworm")
+    done = sb.exec("cat /etc/bare /etc/debian_version; test -e /opt/venv || echo no venv")
+    assert done.exit_code == 0, done.stderr
+    assert done.stdout.split()[0] == "ID=bare" and done.stdout.split()[1].startswith("12.")
+    assert done.stdout.splitlines()[-1] == "no venv"
+    assert sb.run_code("import sys; sys.executable").text == "'/usr/bin/python3'"
+    sb.close()
+    remove(harness, "bare-bookworm")
+
+
 def test_a_bad_spec_or_name_is_refused_before_anything_runs(harness) -> None:
     cases = [("FROM default\nADD x /x\n", "line 2: 'ADD' is not supported"),
              ("RUN true\n", "starts with FROM"),
