@@ -25,6 +25,7 @@ import logging
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from importlib.metadata import version
 from typing import Any
 
 import anyio
@@ -96,7 +97,7 @@ def build(url: str | None = None, api_key: str | None = None) -> Server[Holdings
             log.exception("tool %s failed", tool.name)
             return failure(f"internal error in {tool.name}: {type(exc).__name__}: {exc}")
 
-    return Server("branchbox", version=_version(), instructions=INSTRUCTIONS,
+    return Server("branchbox", version=version("branchbox"), instructions=INSTRUCTIONS,
                   lifespan=lifespan, on_list_tools=list_tools, on_call_tool=call_tool)
 
 
@@ -124,12 +125,6 @@ def brief(exc: ValidationError) -> str:
     """Pydantic's errors as one line per field, without its documentation links."""
     return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}"
                      for e in exc.errors(include_url=False))
-
-
-def _version() -> str:
-    from importlib.metadata import version
-
-    return version("branchbox")
 
 
 async def serve_stdio(server: Server[Any]) -> None:
