@@ -189,6 +189,9 @@ def _post(app, body: bytes, name: str) -> httpx.Response:
 
 def test_the_context_cannot_escape_or_plant_special_files(harness, make) -> None:
     app = harness.app
+    for body in (b"", b"not a tar at all" * 100, _tar()[:700]):
+        reply = _post(app, body, "junk")
+        assert reply.status_code == 400 and set(reply.json()) == {"error", "type"}, reply.text
     for member, message in [
             (_member("../up.txt"), "outside the context"),
             (_member("/abs.txt"), "outside the context"),

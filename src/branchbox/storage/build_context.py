@@ -63,7 +63,7 @@ class Context:
                         self._excluded = entry
                     elif entry is not None:
                         self.entries[entry.name] = entry
-        except tarfile.TarError as exc:
+        except (tarfile.TarError, EOFError, UnicodeError) as exc:
             raise ContextError(f"the context is not a valid tar: {exc}") from None
 
     def spec_text(self, name: str, limit: int) -> str:
