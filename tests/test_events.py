@@ -69,7 +69,14 @@ class Listener:
             if done(msg):
                 return got
 
-    def close(self) -> None:
+    def family(self, root: str) -> list[dict]:
+        """The events of ``root``'s family, up to the close of ``root``."""
+        return [e for e in self.until(_is("close", root)) if e["family"] == root]
+
+    def __enter__(self) -> Listener:
+        return self
+
+    def __exit__(self, *_: object) -> None:
         self._client.close()
         self._thread.join(10)
 
@@ -79,8 +86,7 @@ def _is(kind: str, sandbox: str):
 
 
 def test_fork_merge_round_arrives_in_order(daemon: ServedDaemon) -> None:
-    listener = Listener(daemon)
-    try:
+    with Listener(daemon) as listener:
         with Sandbox(url=daemon.url, api_key=KEY) as parent:
             parent.run_code("print('before the fork')")
             children = parent.fork(n=3)
@@ -88,10 +94,7 @@ def test_fork_merge_round_arrives_in_order(daemon: ServedDaemon) -> None:
             parent.merge_into(children[0])
             for child in children[1:]:
                 child.close()
-        events = listener.until(_is("close", parent.id))
-    finally:
-        listener.close()
-    ours = [e for e in events if e["family"] == parent.id]
+        ours = listener.family(parent.id)
     assert [e["type"] for e in ours] == [
         "create", "exec", "fork", "exec", "merge", "close", "close", "close"]
     ids = [e["id"] for e in ours]
@@ -108,18 +111,14 @@ def test_fork_merge_round_arrives_in_order(daemon: ServedDaemon) -> None:
 
 
 def test_checkpoint_restore_and_forks_of_a_checkpoint(daemon: ServedDaemon) -> None:
-    listener = Listener(daemon)
-    try:
+    with Listener(daemon) as listener:
         with Sandbox(url=daemon.url, api_key=KEY) as sb:
             cp = sb.checkpoint("start")
             sb.run_code("x = 1")
             sb.restore(cp)
             (child,) = cp.fork(1)
             child.close()
-        events = listener.until(_is("close", sb.id))
-    finally:
-        listener.close()
-    ours = [e for e in events if e["family"] == sb.id]
+        ours = listener.family(sb.id)
     assert [e["type"] for e in ours] == [
         "create", "checkpoint", "exec", "restore", "fork", "close", "close"]
     _, made, _, restored, fork, *_ = ours
@@ -138,11 +137,8 @@ def test_resume_after_an_id_and_from_last_event_id(daemon: ServedDaemon) -> None
         bad = http.get("/v1/events", headers={"Last-Event-ID": "not-an-id"})
         assert bad.status_code == 400 and "Last-Event-ID" in bad.json()["error"]
     # Everything held, then from the middle: the same events, in the same order.
-    everything = Listener(daemon, "/v1/events?since=0")
-    try:
+    with Listener(daemon, "/v1/events?since=0") as everything:
         held = everything.until(_is("close", sb.id))
-    finally:
-        everything.close()
     mine = [e for e in held if e["sandbox"] == sb.id]
     assert [e["type"] for e in mine] == ["create", "exec", "exec", "close"]
     assert mine[2]["op"] == "exec" and mine[2]["stdout"] == "hi\n" and mine[2]["exit_code"] == 0
@@ -150,11 +146,8 @@ def test_resume_after_an_id_and_from_last_event_id(daemon: ServedDaemon) -> None
     # An EventSource reconnects with its URL's ``since`` and a newer Last-Event-ID.
     for path, headers in ((f"/v1/events?since={middle}", {}),
                           ("/v1/events?since=0", {"Last-Event-ID": str(middle)})):
-        resumed = Listener(daemon, path, headers)
-        try:
+        with Listener(daemon, path, headers) as resumed:
             again = resumed.until(_is("close", sb.id))
-        finally:
-            resumed.close()
         assert again[0]["id"] == middle + 1
         assert again == [e for e in held if e["id"] > middle]
 
@@ -195,12 +188,10 @@ def test_a_stalled_subscriber_never_holds_the_engine(daemon: ServedDaemon) -> No
 def test_streams_end_when_the_daemon_stops() -> None:
     """A daemon's graceful stop waits for open responses: an event stream that did not end
     by itself would hold it for the whole grace period, then be cancelled."""
-    with served_with_key("events-stop", KEY) as served:
-        listener = Listener(served)
+    with served_with_key("events-stop", KEY) as served, Listener(served):
         served.proc.send_signal(signal.SIGTERM)
         assert served.proc.wait(60) == 0
         log = served.log.read_text()
-        listener.close()
     assert "graceful shutdown exceeded" not in log, log
 
 
