@@ -9,7 +9,7 @@ APT_PACKAGES := debootstrap btrfs-progs gcc libc6-dev libnftables1
 # The /ui page's tests drive Debian's headless Chromium through its chromedriver.
 TEST_APT_PACKAGES := chromium chromium-driver
 
-.PHONY: run test system-deps test-deps image lint bench
+.PHONY: run test soak system-deps test-deps image lint bench
 
 # $(call apt_install,PACKAGES): install those not installed yet.
 apt_install = @dpkg -s $(1) >/dev/null 2>&1 || \
@@ -36,6 +36,10 @@ run: image
 test: image test-deps
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# 10,000 fork -> merge rounds against a served daemon (10-20 minutes on 2 vCPU).
+soak: image
+	$(PY) -m pytest -q -p no:cacheprovider -m soak tests/test_soak.py
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -190,15 +190,21 @@ def test_the_sdk_gives_up_on_a_server_that_never_answers() -> None:
     async def scenario() -> None:
         async def never_answer(reader: asyncio.StreamReader,
                                writer: asyncio.StreamWriter) -> None:
-            await reader.read(1 << 16)
-            await asyncio.sleep(3600)
+            try:
+                await reader.read(1 << 16)
+                await reader.read(1)  # until the client hangs up
+            finally:
+                writer.close()
 
         server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         async with server:
             sandbox = AsyncSandbox._attached(Api(f"http://127.0.0.1:{port}", KEY),
                                              "sbx_" + "0" * 32, None)
-            with pytest.raises(SandboxTimeout, match="no answer"):
-                await asyncio.wait_for(sandbox.run_code("1", timeout=0.5), 60)
+            try:
+                with pytest.raises(SandboxTimeout, match="no answer"):
+                    await asyncio.wait_for(sandbox.run_code("1", timeout=0.5), 60)
+            finally:
+                await sandbox.detach()
 
     asyncio.run(scenario())

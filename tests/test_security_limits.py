@@ -170,7 +170,10 @@ def _rest_400(harness, method: str, path: str, body: dict) -> str:
 def test_a_cwd_that_is_not_a_directory_is_an_invalid_request(harness, monkeypatch,
                                                             pool) -> None:
     if pool == "cold":  # a new family, not a hand-out from the warm pool
-        monkeypatch.setattr(harness.engine, "_take_warm", lambda image: None)
+        async def cold(image: str) -> None:
+            return None
+
+        monkeypatch.setattr(harness.engine, "_take_warm", cold)
     else:
         portal.run(harness.engine.settle())
     with pytest.raises(InvalidRequest, match="/dev/null"):

@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator
 
 from branchbox.agent.protocol import ChannelClosed
-from branchbox.engine import errors
+from branchbox.engine import errors, lineage
 from branchbox.engine.layers import (
     FrozenLayer,
     LayerStack,
@@ -183,6 +183,7 @@ class Branching:
         loop = asyncio.get_running_loop()
         left = None if parent.timer is None else max(parent.timer.when() - loop.time(), 1e-3)
         self._adopt(child, left)
+        lineage.prune_if_grown(self._lineage, self.live, len(self.live))  # child is live now
         if idle := parent.record.meta.get("idle_timeout"):
             self._close_when_idle(child, idle)
 

@@ -45,8 +45,15 @@ class SandboxRecord:
     meta: dict = field(default_factory=dict)
 
 
+KEEP_CLOSED = 1000
+"""Rows of closed sandboxes kept (the most recently closed), for looking back; older ones
+are deleted so a daemon's database does not grow by a row per fork for ever."""
+_PRUNE_EVERY = 256  # closes between two prunes (one DELETE, amortized)
+
+
 class Records:
     def __init__(self, path: Path) -> None:
+        self._closed_since_prune = 0
         self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
@@ -74,6 +81,12 @@ class Records:
         self.db.executemany(
             "UPDATE sandboxes SET state='closed', closed=? WHERE id=?", [(now, i) for i in ids]
         )
+        self._closed_since_prune += len(ids)
+        if self._closed_since_prune >= _PRUNE_EVERY:
+            self._closed_since_prune = 0
+            self.db.execute(
+                "DELETE FROM sandboxes WHERE id IN (SELECT id FROM sandboxes WHERE "
+                "state = 'closed' ORDER BY closed DESC LIMIT -1 OFFSET ?)", (KEEP_CLOSED,))
 
     def begin_commit(self, host: Path) -> None:
         """Note a workspace commit under way, so a daemon that dies inside it is followed

@@ -14,6 +14,7 @@ import logging
 import resource
 import secrets
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -92,6 +93,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         self._workspace_lowers: dict[tuple[Path, int], WorkspaceLower] = {}
         self._workspace_versions: dict[Path, int] = {}
         self._warm: dict[str, list[Live]] = {}
+        self._warm_waiters: dict[str, deque[asyncio.Future]] = {}  # creates in line (warm.py)
         self._refilling: dict[str, asyncio.Task] = {}
         self._stopping = False
         self.net: SandboxNetwork | None = None
@@ -288,7 +290,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         meta = {"cwd": cwd, "memory_mb": memory_mb, "timeout": timeout, "disk_mb": disk_mb,
                 "idle_timeout": idle_timeout,  # fork children inherit it
                 "workspace": str(host) if host else None, "network": policy}
-        sb = self._take_warm(image)
+        sb = await self._take_warm(image)
         if sb is not None:  # a warm sandbox: give it this request's settings
             if memory_mb is not None:
                 sb.body.cgroup.apply(self._limits(memory_mb))

@@ -20,6 +20,7 @@ import logging
 import os
 from collections import deque
 
+from branchbox.engine import errors
 from branchbox.engine.image_build import STEP_PREFIX
 from branchbox.engine.live import Live
 
@@ -52,7 +53,8 @@ class WarmPool:
         waiters = self._warm_waiters.setdefault(image, deque())
         waiters.append(waiter)
         self._refill(image)
-        if not self._refilling.get(image):  # not an image the pool keeps
+        filling = self._refilling.get(image)
+        if filling is None or filling.done():  # not an image the pool keeps (or it stopped)
             waiters.remove(waiter)
             return None
         try:
@@ -97,25 +99,29 @@ class WarmPool:
                     return
                 done, starting = await asyncio.wait(starting,
                                                     return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    if task.exception() is None:
-                        self._hand_out(image, task.result())
-                    else:
-                        raise task.exception()
+                self._hand_out_all(image, done)
         except Exception as exc:
             log.warning("could not start a warm %s sandbox: %s", image, exc)
-            while waiters:  # each create reports the real error
-                waiter = waiters.popleft()
-                if not waiter.done():
-                    waiter.set_exception(exc)
+            _fail(waiters, exc)  # each create waiting reports the real error
         finally:
             for task in starting:
                 task.cancel()  # _spawn undoes what it made
             if starting:
                 await asyncio.wait(starting)
-            for task in starting:
-                if not task.cancelled() and task.exception() is None:
-                    self._hand_out(image, task.result())  # finished anyway: keep it
+            with contextlib.suppress(Exception):
+                self._hand_out_all(image, starting)  # those that finished anyway
+            _fail(waiters, errors.EngineError(f"the {image} sandboxes stopped being started "
+                                              "(the daemon is stopping or the image removed)"))
+
+    def _hand_out_all(self, image: str, tasks: set[asyncio.Task]) -> None:
+        """Hand out what the finished spawns ``tasks`` started; then raise the first
+        failure among them, if any (after keeping every sandbox that did start)."""
+        failures = [t.exception() for t in tasks if not t.cancelled() and t.exception()]
+        for task in tasks:
+            if not task.cancelled() and task.exception() is None:
+                self._hand_out(image, task.result())
+        if failures:
+            raise failures[0]
 
     async def settle(self) -> None:
         """Wait until the warm pool is refilled (background work; tests and benchmarks
@@ -133,3 +139,10 @@ class WarmPool:
                 sb = pool.pop()
                 await self._destroy_body(sb.body)
                 await sb.family.family.kill()
+
+
+def _fail(waiters: deque, exc: BaseException) -> None:
+    while waiters:
+        waiter = waiters.popleft()
+        if not waiter.done():
+            waiter.set_exception(exc)
