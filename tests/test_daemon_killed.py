@@ -13,12 +13,12 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from served import ServedDaemon
+from waiting import eventually
 
 from branchbox import Sandbox, SandboxError
 from branchbox.engine.config import EngineConfig
@@ -65,10 +65,8 @@ def test_a_daemon_killed_inside_a_commit_leaves_nothing_frozen(workspace: Path) 
             sb.commit()  # the daemon kills itself inside it
         assert daemon.proc.wait(30) == -9, daemon.log.read_text()
         assert SandboxCgroup.leftovers(group), "the killed daemon's sandbox should still exist"
-        deadline = time.monotonic() + 10
-        while (frozen := frozen_cgroups(group)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not frozen, f"frozen after the daemon died: {frozen}"
+        eventually(lambda: not frozen_cgroups(group), within=10)
+        assert not frozen_cgroups(group), f"frozen after the daemon died: {frozen_cgroups(group)}"
 
         # One hierarchy mount was left by the dead daemon; the new one uses it (mounting
         # again is EBUSY) and removes it on its graceful stop.

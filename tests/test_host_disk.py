@@ -15,12 +15,13 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
+from waiting import eventually
 
 from branchbox import Sandbox
 from branchbox.engine.config import EngineConfig
@@ -78,15 +79,6 @@ def write_mib(path: Path, mib: int) -> None:
             os.fsync(f.fileno())
 
 
-def wait_for(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
 def test_a_host_disk_that_fills_up_gives_enospc_and_the_store_stays_writable() -> None:
     with small_host_disk(1536) as host, choose_backend(host / "data", "btrfs") as store:
         volume = store.root / "v"
@@ -94,7 +86,7 @@ def test_a_host_disk_that_fills_up_gives_enospc_and_the_store_stays_writable() -
         before = store.capacity()
         fill_host(host, leave_mib=300)
         # The store follows the host's free space; what matters is what a writer sees.
-        wait_for(lambda: store.capacity() < before, timeout=20)
+        eventually(lambda: store.capacity() < before, within=20)
         with pytest.raises(OSError) as caught:
             write_mib(volume / "big", 1024)
         assert caught.value.errno == errno.ENOSPC, caught.value
@@ -111,14 +103,13 @@ def test_a_sandbox_that_fills_the_host_disk_gets_enospc_and_no_one_else_is_hurt(
         portal.run(engine.start())
         try:
             app = create_app(engine)
-            import httpx
 
             def sandbox() -> Sandbox:
                 return Sandbox(transport=httpx.ASGITransport(app=app))
 
             with sandbox() as writer, sandbox() as other:
                 fill_host(host, leave_mib=300)
-                wait_for(lambda: engine.store.capacity() < 1 << 30, timeout=20)
+                eventually(lambda: engine.store.capacity() < 1 << 30, within=20)
                 r = writer.exec("dd if=/dev/zero of=/root/big bs=1M count=1024 conv=fsync 2>&1")
                 assert r.exit_code != 0, r.stdout
                 assert "No space left on device" in r.stdout, r.stdout
@@ -147,8 +138,8 @@ def test_freed_blocks_go_back_to_the_host() -> None:
             os.sync()
             held = host_disk.image_host_bytes(image)
             with choose_backend(data, "btrfs"):  # adopts the mount
-                given_back = wait_for(
-                    lambda: host_disk.image_host_bytes(image) < held - 300 * MiB, timeout=60)
+                given_back = eventually(
+                    lambda: host_disk.image_host_bytes(image) < held - 300 * MiB, within=60)
                 after = host_disk.image_host_bytes(image)
         finally:
             if loopback.mount_at(mountpoint, loopback.current_mounts()) is not None:
@@ -173,7 +164,7 @@ def test_an_aborted_store_is_refused_with_what_to_do() -> None:
             with pytest.raises(OSError):
                 write_mib(mountpoint / "big", 1024)  # the host disk fills under it
             os.sync()
-            assert wait_for(lambda: "ro" in loopback.superblock_options(mountpoint), 10), \
+            assert eventually(lambda: "ro" in loopback.superblock_options(mountpoint), 10), \
                 "the host disk filling up under the store should have aborted it"
             (image.parent / "unused").touch()  # the host itself is writable again
             with pytest.raises(StoreUnhealthy, match=r"read-only.*rm .*store\.img"):

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +26,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.schemas import APIOperation
 from served import ServedDaemon
+from waiting import eventually
 
 API_KEY = "pf-compat-test-key"
 MISSING = "sbx_" + "0" * 32
@@ -75,15 +76,6 @@ def sandbox(server: Daemon) -> Iterator[podflare.Sandbox]:
 def alive(server: Daemon, sandbox_id: str) -> bool:
     with server.client() as http:
         return http.get(f"/v1/sandboxes/{sandbox_id}").status_code == 200
-
-
-def eventually(condition: Callable[[], bool], within: float = 30) -> bool:
-    deadline = time.monotonic() + within
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 # ------------------------------------------------------------------------- Podflare's SDK

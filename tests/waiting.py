@@ -1,0 +1,17 @@
+"""Waiting for something a test cannot be told about (a background thread's work, a
+process's death), polling: the timeout bounds the wait, it is never what is tested."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+
+def eventually(condition: Callable[[], bool], within: float = 30) -> bool:
+    """Whether ``condition()`` became true within ``within`` seconds (polled every 0.1 s)."""
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
