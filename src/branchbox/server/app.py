@@ -28,8 +28,6 @@ from branchbox.server import (
 from branchbox.server.deps import require_api_key
 from branchbox.server.disconnect import DisconnectWatch
 from branchbox.server.e2b_access import require_e2b_key
-from branchbox.server.deps import require_api_key
-from branchbox.server.disconnect import DisconnectWatch
 from branchbox.server.errors import install_error_handlers
 from branchbox.server.limits import BodyLimit
 from branchbox.server.replay import EventLog
