@@ -28,7 +28,7 @@ import posixpath
 import secrets
 import tempfile
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -52,8 +52,12 @@ SUITES = ("bullseye", "bookworm", "trixie", "forky", "sid", "oldstable", "stable
           "unstable")
 STEP_TIMEOUT = 3600.0  # seconds one RUN may take
 _OUTPUT_TAIL = 40
+# Run by the step's sandbox on its own files, so fully trusted (newer pythons' default
+# filter would refuse the absolute symlinks a context may hold).
 _EXTRACT = ("import os, sys, tarfile\n"
-            "with tarfile.open(sys.argv[1]) as t: t.extractall('/', numeric_owner=True)\n"
+            "trust = {'filter': 'fully_trusted'} if hasattr(tarfile, 'fully_trusted_filter') "
+            "else {}\n"
+            "with tarfile.open(sys.argv[1]) as t: t.extractall('/', numeric_owner=True, **trust)\n"
             "os.unlink(sys.argv[1])\n")
 
 Event = tuple[dict, bytes]
@@ -107,7 +111,8 @@ def _resolve_base(engine, base: str) -> tuple[str, str]:
 
 async def _build(engine, name: str, spec: image_spec.Spec, context: Context,
                  base: tuple[str, str], internet: bool | None) -> AsyncIterator[Event]:
-    building: set[str] = engine.__dict__.setdefault("_building_steps", set())
+    # Steps of builds under way (counted: two builds may share steps), kept from collection.
+    building: Counter[str] = engine.__dict__.setdefault("_building_steps", Counter())
     keys: list[str] = []
     started = time.monotonic()
     total = len(spec.steps) + 1
@@ -116,7 +121,7 @@ async def _build(engine, name: str, spec: image_spec.Spec, context: Context,
                "cached": False}, b""
         state = await _from_step(engine, *base)
         keys.append(state["key"])
-        building.update(keys)
+        building[state["key"]] += 1
         for index, step in enumerate(spec.steps, 2):
             digest = ""
             chosen: list = []
@@ -131,7 +136,7 @@ async def _build(engine, name: str, spec: image_spec.Spec, context: Context,
             cached = step_manifest(engine, key)
             yield {"ev": "step", "index": index, "total": total, "text": step.text,
                    "cached": cached is not None}, b""
-            building.add(key)
+            building[key] += 1
             keys.append(key)
             if cached is not None:
                 state = cached
@@ -141,15 +146,17 @@ async def _build(engine, name: str, spec: image_spec.Spec, context: Context,
                 env.update(pair.split("=", 1) for pair in step.args)
                 state = {**state, "key": key, "volume": None, "env": env}
             else:
-                output: deque[str] = deque(maxlen=_OUTPUT_TAIL)
-                where = f"step {index}/{total} {step.text}"
-                volume = None
-                async for event in _run_step(engine, state, step, context, chosen, internet,
-                                             output, where):
-                    if isinstance(event, Path):
-                        volume = event
-                    else:
+                sb = await engine.create(image=STEP_PREFIX + state["key"],
+                                         env=state["env"] or None,
+                                         cwd=state["workdir"] or "/", internet=internet)
+                try:
+                    async for event in _run_step(engine, sb.id, state, step, context, chosen,
+                                                 f"step {index}/{total} {step.text}"):
                         yield event
+                    volume = await asyncio.to_thread(engine._capture, sb.body)
+                finally:
+                    with contextlib.suppress(errors.EngineError):
+                        await engine.close(sb.id)
                 workdir = (image_spec.workdir(state["workdir"] or "/", step.args[0])
                            if step.kind == "WORKDIR" else state["workdir"])
                 state = {**state, "key": key, "volume": str(volume), "workdir": workdir,
@@ -158,7 +165,10 @@ async def _build(engine, name: str, spec: image_spec.Spec, context: Context,
         info = await _finish(engine, name, spec, state, keys, time.monotonic() - started)
         yield {"ev": "done", "result": info}, b""
     finally:
-        building.difference_update(keys)
+        building.subtract(keys)
+        for key in keys:
+            if building[key] <= 0:
+                del building[key]
 
 
 async def _from_step(engine, kind: str, base: str) -> dict:
@@ -192,45 +202,36 @@ async def _from_step(engine, kind: str, base: str) -> dict:
     return state
 
 
-async def _run_step(engine, state: dict, step: image_spec.Step, context: Context,
-                    chosen: list, internet: bool | None, output: deque[str],
-                    where: str) -> AsyncIterator[Event | Path]:
-    """Run one RUN / COPY / WORKDIR in a sandbox of ``state``; output events, then the
-    frozen layer's volume (a Path)."""
+async def _run_step(engine, sandbox_id: str, state: dict, step: image_spec.Step,
+                    context: Context, chosen: list, where: str) -> AsyncIterator[Event]:
+    """Run one RUN / COPY / WORKDIR in ``sandbox_id`` (a sandbox of ``state``), its output
+    as events; ImageBuildFailed with the output's end unless it exits 0."""
     cwd = state["workdir"] or "/"
-    sb = await engine.create(image=STEP_PREFIX + state["key"], env=state["env"] or None,
-                             cwd=cwd, internet=internet)
+    if step.kind == "RUN":
+        cmd = list(step.args)
+    elif step.kind == "WORKDIR":
+        cmd = ["mkdir", "-p", image_spec.workdir(cwd, step.args[0])]
+    else:
+        staged = f"/.bb-copy-{secrets.token_hex(8)}.tar"
+        await _send_copy(engine, sandbox_id, context, chosen, cwd, step.args, staged)
+        cmd = [engine.image_python(STEP_PREFIX + state["key"]), "-c", _EXTRACT, staged]
+    output: deque[str] = deque(maxlen=_OUTPUT_TAIL)
+    exit_code = None
     try:
-        if step.kind == "RUN":
-            cmd, args = list(step.args), {}
-        elif step.kind == "WORKDIR":
-            cmd, args = ["mkdir", "-p", image_spec.workdir(cwd, step.args[0])], {}
-        else:
-            staged = f"/.bb-copy-{secrets.token_hex(8)}.tar"
-            await _send_copy(engine, sb.id, context, chosen, cwd, step.args, staged)
-            cmd, args = [engine.image_python(STEP_PREFIX + state["key"]), "-c", _EXTRACT,
-                         staged], {}
-        exit_code = None
-        try:
-            async for header, _ in engine.stream(sb.id, "exec", {"cmd": cmd, "cwd": cwd,
-                                                                 "timeout": STEP_TIMEOUT,
-                                                                 **args}):
-                kind = header.get("ev")
-                if kind in ("stdout", "stderr"):
-                    data = str(header.get("data", ""))
-                    output.extend(data.splitlines())
-                    yield {"ev": "output", "stream": kind, "data": data}, b""
-                elif kind == "done":
-                    exit_code = (header.get("result") or {}).get("exit_code")
-        except errors.EngineError as exc:
-            raise errors.ImageBuildFailed(f"{where}: {exc.message}") from None
-        if exit_code != 0:
-            raise errors.ImageBuildFailed(
-                f"{where}: exited with status {exit_code}; last output:\n" + "\n".join(output))
-        yield await asyncio.to_thread(engine._capture, sb.body)
-    finally:
-        with contextlib.suppress(errors.EngineError):
-            await engine.close(sb.id)
+        async for header, _ in engine.stream(sandbox_id, "exec", {"cmd": cmd, "cwd": cwd,
+                                                                  "timeout": STEP_TIMEOUT}):
+            kind = header.get("ev")
+            if kind in ("stdout", "stderr"):
+                data = str(header.get("data", ""))
+                output.extend(data.splitlines())
+                yield {"ev": "output", "stream": kind, "data": data}, b""
+            elif kind == "done":
+                exit_code = (header.get("result") or {}).get("exit_code")
+    except errors.EngineError as exc:
+        raise errors.ImageBuildFailed(f"{where}: {exc.message}") from None
+    if exit_code != 0:
+        raise errors.ImageBuildFailed(
+            f"{where}: exited with status {exit_code}; last output:\n" + "\n".join(output))
 
 
 async def _send_copy(engine, sandbox_id: str, context: Context, chosen: list, cwd: str,
@@ -276,7 +277,7 @@ def collect_steps(engine) -> None:
     """Delete the cached steps no image and no build in progress refers to (and every
     slot's id-mapped view of their layers)."""
     referenced = {layer for m in engine._saved_all() for layer in m.get("lowers", [])}
-    building: set[str] = engine.__dict__.get("_building_steps", set())
+    building: Counter[str] = engine.__dict__.get("_building_steps", Counter())
     with contextlib.suppress(FileNotFoundError):
         for path in sorted(_steps_dir(engine).glob("*.json")):
             step = step_manifest(engine, path.stem)
