@@ -16,6 +16,7 @@ import subprocess
 import textwrap
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from e2b_sdk import sdk_python
 from served import ServedDaemon
@@ -198,9 +199,10 @@ def test_commands(daemon: ServedDaemon) -> None:
 
 def test_files(daemon: ServedDaemon) -> None:
     out = run(daemon, """
-        import json
+        import json, time
         from e2b import Sandbox, NotFoundException
         with Sandbox.create() as sbx:
+            watch = sbx.files.watch_dir("/home/user", recursive=True)
             sbx.files.write("/home/user/data.txt", "hello")
             sbx.files.write("relative.bin", b"\\x00\\xff" * 70000)
             read = sbx.files.read("/home/user/data.txt")
@@ -212,6 +214,9 @@ def test_files(daemon: ServedDaemon) -> None:
             info = sbx.files.get_info("/home/user/a/b/moved.txt")
             exists = [sbx.files.exists(p) for p in ("/home/user/data.txt", moved.path)]
             sbx.files.remove("/home/user/a")
+            time.sleep(0.2)
+            events = [(e.name, e.type.value) for e in watch.get_new_events()]
+            watch.stop()
             try:
                 sbx.files.read("/home/user/a/b/moved.txt")
                 missing = None
@@ -221,7 +226,7 @@ def test_files(daemon: ServedDaemon) -> None:
                 "read": read, "binary": len(binary) == 140000 and binary[:2] == b"\\x00\\xff",
                 "made": [made, made_again], "moved": moved.path, "listed": listed,
                 "size": info.size, "exists": exists, "missing": missing,
-                "after": sbx.files.exists("/home/user/a")}))
+                "after": sbx.files.exists("/home/user/a"), "events": events}))
     """)
     assert out["read"] == "hello" and out["binary"] is True
     assert out["made"] == [True, False] and out["moved"] == "/home/user/a/b/moved.txt"
@@ -229,6 +234,27 @@ def test_files(daemon: ServedDaemon) -> None:
         ["b", "dir"], ["moved.txt", "file"]]
     assert out["size"] == 5 and out["exists"] == [False, True]
     assert out["missing"] == "NotFoundException" and out["after"] is False
+    assert [list(e) for e in out["events"]] == [
+        ["data.txt", "write"], ["relative.bin", "write"], ["a", "create"], ["a/b", "create"],
+        ["data.txt", "rename"], ["a/b/moved.txt", "create"], ["a/b/moved.txt", "remove"],
+        ["a/b", "remove"], ["a", "remove"]]
+
+
+def test_pause_and_connect(daemon: ServedDaemon) -> None:
+    """pause freezes the sandbox with its memory; connect resumes it where it was."""
+    out = run(daemon, """
+        import json
+        from e2b_code_interpreter import Sandbox
+        sbx = Sandbox.create()
+        sbx.run_code("kept = [1, 2, 3]")
+        sbx.pause()
+        paused = Sandbox.get_info(sbx.sandbox_id).state.value
+        again = Sandbox.connect(sbx.sandbox_id)
+        print(json.dumps({"paused": paused, "state": again.get_info().state.value,
+                          "kept": again.run_code("sum(kept)").text}))
+        again.kill()
+    """)
+    assert out == {"paused": "paused", "state": "running", "kept": "6"}
 
 
 def test_run_code(daemon: ServedDaemon) -> None:
@@ -328,6 +354,13 @@ def test_async_flavours(daemon: ServedDaemon) -> None:
             await sbx.files.write("/home/user/f.txt", "async file")
             read = await sbx.files.read("/home/user/f.txt")
             names = [e.name for e in await sbx.files.list("/home/user")]
+            seen = []
+            watch = await sbx.files.watch_dir(
+                "/tmp", on_event=lambda e: seen.append([e.name, e.type.value]))
+            await sbx.files.write("/tmp/a.txt", "1")
+            await sbx.files.rename("/tmp/a.txt", "/tmp/b.txt")
+            await asyncio.sleep(0.5)
+            await watch.stop()
             kids = await sbx.fork(count=2)
             kid_values = [(await k.run_code("x")).text for k in kids]
             listed = await PlainAsyncSandbox.list(
@@ -344,7 +377,7 @@ def test_async_flavours(daemon: ServedDaemon) -> None:
             return {"values": values, "png": bool(chart.results[0].png),
                     "error": err.name, "cmd": [cmd.stdout, cmd.stderr], "bg": bg_out,
                     "read": read, "has_file": "f.txt" in names, "kids": kid_values,
-                    "listed": len(listed), "gone": gone}
+                    "listed": len(listed), "gone": gone, "watched": seen}
 
         print(json.dumps(asyncio.run(main())))
     """)
@@ -352,3 +385,31 @@ def test_async_flavours(daemon: ServedDaemon) -> None:
     assert out["error"] == "ZeroDivisionError" and out["cmd"] == ["async\n", "e\n"]
     assert out["bg"] == "in\n" and out["read"] == "async file" and out["has_file"] is True
     assert out["kids"] == ["20", "20"] and out["listed"] == 3 and out["gone"] is True
+    assert out["watched"] == [["a.txt", "write"], ["a.txt", "rename"], ["b.txt", "create"]]
+
+
+def test_sandbox_plane_by_host_and_token(daemon: ServedDaemon) -> None:
+    """E2B's own addressing (``<port>-<id>.<domain>`` Host) reaches the sandbox's envd;
+    the sandbox plane wants the sandbox's token, and answers Connect errors in JSON."""
+    with httpx.Client(base_url=daemon.url, timeout=120) as http:
+        made = http.post("/v2/sandboxes", json={"templateID": "base"},
+                         headers={"X-API-Key": API_KEY})
+        assert made.status_code == 201, made.text
+        sandbox_id, token = made.json()["sandboxID"], made.json()["envdAccessToken"]
+        try:
+            host = {"Host": f"49983-{sandbox_id}.sandboxes.example"}
+            assert http.get("/health", headers={**host, "X-Access-Token": token}
+                            ).status_code == 204
+            refused = http.get("/health", headers={**host, "X-Access-Token": "0" * 64})
+            assert refused.status_code == 401 and refused.json()["error"] == "invalid api key"
+            missing = http.post("/process.Process/SendSignal",
+                                json={"process": {"pid": 999999}, "signal": "SIGNAL_SIGKILL"},
+                                headers={**host, "X-Access-Token": token})
+            assert missing.status_code == 404 and missing.json()["code"] == "not_found"
+            unnamed = http.get("/health", headers={"X-Access-Token": token})
+            assert unnamed.status_code == 400 and "E2b-Sandbox-Id" in unnamed.json()["error"]
+        finally:
+            assert http.delete(f"/sandboxes/{sandbox_id}",
+                               headers={"X-API-Key": API_KEY}).status_code == 204
+        gone = http.delete(f"/sandboxes/{sandbox_id}", headers={"X-API-Key": API_KEY})
+        assert gone.status_code == 404 and gone.json()["message"] == "sandbox not found"

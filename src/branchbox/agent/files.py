@@ -37,6 +37,7 @@ _ERROR_TYPES = {
     errno.ELOOP: "InvalidRequest",
 }
 _NEW_FILE_MODE = 0o644
+UPLOAD_PREFIX = ".bbupload-"  # an upload's temporary file, renamed into place when complete
 
 
 def check_path(value: str) -> str:
@@ -188,7 +189,7 @@ class _Upload:
         self.mode = mode
         parent = os.path.dirname(target)
         os.makedirs(parent, exist_ok=True)
-        fd, self.tmp = tempfile.mkstemp(prefix=".bbupload-", dir=parent)
+        fd, self.tmp = tempfile.mkstemp(prefix=UPLOAD_PREFIX, dir=parent)
         self.file: BinaryIO = open(fd, "wb")  # noqa: SIM115 - open across frames
         try:
             if append and os.path.exists(target):

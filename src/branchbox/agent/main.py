@@ -34,6 +34,7 @@ from .forking import (
 from .handover import handle_attach, handle_configure, handle_sethostname
 from .repl import Repl
 from .server import Agent, handle_ping
+from .watches import Watches
 
 
 def register_ops(agent: Agent, spawner: Callable[[], int] | None = None) -> None:
@@ -63,6 +64,10 @@ def register_ops(agent: Agent, spawner: Callable[[], int] | None = None) -> None
     agent.register("stat", handle_stat)
     agent.register("mkdir", handle_mkdir)
     agent.register("move", handle_move)
+    watches = Watches(agent)
+    agent.register("watch", watches.handle_watch)
+    agent.register("watch_events", watches.handle_watch_events)
+    agent.register("unwatch", watches.handle_unwatch)
 
 
 def run(ctrl_fd: int) -> None:

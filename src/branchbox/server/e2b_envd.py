@@ -14,13 +14,15 @@ filesystem protos (camelCase JSON, bytes as base64, 64-bit integers as strings):
   ``/home/user``, E2B's home. Watches are inotify watches the agent keeps
   (CreateWatcher/GetWatcherEvents/RemoveWatcher; WatchDir polls one).
 
-Not served: PTYs, selecting a process by tag, client-streamed input, running as
-another user (commands run as the sandbox's root).
+Not served: entries in watch events, PTYs, selecting a process by tag, client-streamed
+input, running as another user (commands run as the sandbox's root).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import shlex
 import signal
 import stat
@@ -50,6 +52,7 @@ _FILE_TYPES = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY",
                "symlink": "FILE_TYPE_SYMLINK"}
 _MAX_DEPTH = 16
 _MAX_LISTED = 100_000  # entries of one recursive listing
+_WATCH_POLL = 0.05  # seconds between two collections of a WatchDir's events
 
 
 def _path(raw: object) -> str:
@@ -264,6 +267,66 @@ async def fs_remove(engine: Engine, sandbox_id: str, message: dict) -> dict:
     await engine.call(sandbox_id, "remove", {"path": _path(message.get("path")),
                                              "recursive": True})
     return {}
+
+
+_EVENT_TYPES = {"create": "EVENT_TYPE_CREATE", "write": "EVENT_TYPE_WRITE",
+                "remove": "EVENT_TYPE_REMOVE", "rename": "EVENT_TYPE_RENAME",
+                "chmod": "EVENT_TYPE_CHMOD"}
+
+
+def _watch_args(message: dict) -> dict:
+    if message.get("includeEntry"):
+        raise RpcError("unimplemented", "entries in watch events are not supported")
+    return {"path": _path(message.get("path")), "recursive": bool(message.get("recursive"))}
+
+
+async def _watch_events(engine: Engine, sandbox_id: str, watch_id: str) -> list[dict]:
+    taken = await engine.call(sandbox_id, "watch_events", {"id": watch_id})
+    return [{"name": e["name"], "type": _EVENT_TYPES[e["type"]]} for e in taken["events"]]
+
+
+@_fs_route("CreateWatcher")
+async def fs_create_watcher(engine: Engine, sandbox_id: str, message: dict) -> dict:
+    made = await engine.call(sandbox_id, "watch", _watch_args(message))
+    return {"watcherId": made["id"]}
+
+
+@_fs_route("GetWatcherEvents")
+async def fs_watcher_events(engine: Engine, sandbox_id: str, message: dict) -> dict:
+    return {"events": await _watch_events(engine, sandbox_id, _watcher(message))}
+
+
+@_fs_route("RemoveWatcher")
+async def fs_remove_watcher(engine: Engine, sandbox_id: str, message: dict) -> dict:
+    await engine.call(sandbox_id, "unwatch", {"id": _watcher(message)})
+    return {}
+
+
+def _watcher(message: dict) -> str:
+    watcher = message.get("watcherId")
+    if not isinstance(watcher, str) or not watcher:
+        raise RpcError("invalid_argument", "watcherId must be a non-empty string")
+    return watcher
+
+
+@router.post("/filesystem.Filesystem/WatchDir")
+async def fs_watch_dir(request: Request, sandbox_id: SandboxId, engine: EngineDep) -> Response:
+    """A watch as a stream: start, then its events as they are collected (every
+    ``_WATCH_POLL`` s), until the client goes or its deadline passes."""
+
+    async def events(message: dict) -> AsyncIterator[dict]:
+        watch_id = (await engine.call(sandbox_id, "watch", _watch_args(message)))["id"]
+        try:
+            yield {"start": {}}
+            while True:
+                for event in await _watch_events(engine, sandbox_id, watch_id):
+                    yield {"filesystem": event}
+                await asyncio.sleep(_WATCH_POLL)
+        finally:
+            with contextlib.suppress(errors.EngineError):
+                await engine.call(sandbox_id, "unwatch", {"id": watch_id})
+
+    return await connect_rpc.server_stream(request, events)
 
 
 # ----------------------------------------------------------------------- /files, /health
