@@ -94,3 +94,32 @@ def test_sandboxes_come_back_stopped_with_their_files() -> None:
             first.stop()
         else:  # reap what the killed daemon left
             ServedDaemon("restart", env, data_dir=first.data_dir).stop()
+
+
+def test_a_stop_with_keep_leaves_sandboxes_stopped() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "BRANCHBOX_API_KEY"}
+    env["BRANCHBOX_API_KEY"] = KEY
+    first = ServedDaemon("keep", env, "--keep")
+    second = None
+    try:
+        sb = Sandbox(url=first.url, api_key=KEY)
+        sb.files.write("/root/kept.txt", b"through a clean stop")
+        sb.pause()
+        sb.detach()
+        first.proc.send_signal(signal.SIGTERM)
+        assert first.proc.wait(60) == 0, first.log.read_text()
+        group = EngineConfig(data_dir=first.data_dir).cgroup_group
+        assert family_pids(group) == []  # its processes ended with the daemon
+
+        second = ServedDaemon("keep", env, data_dir=first.data_dir)  # no --keep: closes all
+        sb = Sandbox.connect(sb.id, url=second.url, api_key=KEY)
+        assert sb.info()["state"] == "stopped"
+        assert sb.start().files.read("/root/kept.txt") == b"through a clean stop"
+        sb.close()
+    finally:
+        if second is not None:
+            second.stop()
+        elif first.proc.poll() is None:
+            first.stop()
+        else:
+            ServedDaemon("keep", env, data_dir=first.data_dir).stop()

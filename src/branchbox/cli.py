@@ -138,9 +138,13 @@ def serve(
         "image 'host' hides, beyond its default deny list; repeat for more.")] = None,
     host_deny_file: Annotated[Path | None, typer.Option(
         help="A file of such paths, one a line (# comments).")] = None,
+    keep: Annotated[bool, typer.Option(
+        "--keep", help="On SIGINT/SIGTERM keep every sandbox's files: the next daemon on this "
+                       "data directory lists them as stopped (also: $BRANCHBOX_KEEP=1).")]
+    = False,
     as_json: Json = False,
 ) -> None:
-    """Run the daemon until SIGINT or SIGTERM (which close every sandbox)."""
+    """Run the daemon until SIGINT or SIGTERM (which close every sandbox, unless --keep)."""
     # Imported here: the other commands need neither FastAPI nor the engine.
     from branchbox.server.serve import ServeError
     from branchbox.server.serve import serve as run_server
@@ -148,6 +152,8 @@ def serve(
 
     if internet:  # read by EngineConfig, like the daemon's other settings
         os.environ["BRANCHBOX_INTERNET"] = "1"
+    if keep:
+        os.environ["BRANCHBOX_KEEP"] = "1"
     try:
         deny = [check_pattern(p) for p in host_deny or []]
         deny += read_deny_file(host_deny_file) if host_deny_file else []

@@ -52,6 +52,10 @@ class EngineConfig:
     # Sandboxes kept started per image, so that create hands one out in milliseconds.
     warm_pool: int = field(default_factory=lambda: int(os.environ.get("BRANCHBOX_WARM_POOL", "2")))
 
+    # On stop, keep every sandbox's files and record (``branchbox serve --keep``): the next
+    # daemon on this data directory lists them as stopped (engine.stopped).
+    keep: bool = field(
+        default_factory=lambda: os.environ.get("BRANCHBOX_KEEP", "") in ("1", "true"))
     # Egress for sandboxes that do not say (``branchbox serve --internet``).
     internet: bool = field(
         default_factory=lambda: os.environ.get("BRANCHBOX_INTERNET", "") in ("1", "true"))

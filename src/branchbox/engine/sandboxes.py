@@ -161,10 +161,13 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         await self._drop_warm()
         while self._background:  # expiries and teardowns under way
             await asyncio.gather(*list(self._background), return_exceptions=True)
-        for sid in list(self.live):
-            with contextlib.suppress(errors.EngineError):
-                await self.close(sid)
-        self._release_stopped()
+        if self.config.keep:
+            await self._keep_all()
+        else:
+            for sid in list(self.live):
+                with contextlib.suppress(errors.EngineError):
+                    await self.close(sid)
+            self._release_stopped()
         SandboxCgroup.remove_group(self.config.cgroup_group)
         if self.net is not None:
             await self.net.stop()
@@ -514,8 +517,9 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _destroy_body(self, body: Body) -> None:
-        """Kill, disconnect and free a body; each step runs even if an earlier one failed."""
+    async def _destroy_body(self, body: Body, *, keep_files: bool = False) -> None:
+        """Kill, disconnect and free a body; each step runs even if an earlier one failed.
+        With ``keep_files`` its layers stay in the store (a stop that keeps sandboxes)."""
         await self.net.release(body.key)  # first: it can no longer speak on the bridge
         try:
             await asyncio.to_thread(body.cgroup.remove)
@@ -524,7 +528,8 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
                 if body.channel is not None:
                     await body.channel.close()
             finally:
-                self.layers.release(body.layers)
+                if not keep_files:
+                    self.layers.release(body.layers)
 
     async def update_network(self, sandbox_id: str, internet: bool | None = None,
                              network: dict | None = None) -> dict:

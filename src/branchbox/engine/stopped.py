@@ -1,15 +1,16 @@
 """Sandboxes whose processes are gone but whose files are kept: ``stopped``, and ``start()``.
 
-A sandbox's processes die with the host (a reboot) and, today, with the daemon
-(kill -9: the launcher has a parent-death signal, the REPL exits when its control
-socket closes). Its files need not: every record says which volumes its root is
-stacked from (``meta["stack"]``: writable volume, frozen layers top first, disk
-limit, id slot; written whenever a body is bound to the record). So a daemon that
-starts on the data directory keeps those volumes and the family's id slot (the
-files are owned by its host id range), lists the sandbox as ``stopped`` under the
-same id, and ``start_sandbox`` gives it a new family and a fresh REPL on the same
-files: the stopped volume becomes a frozen layer under a new writable one, as a
-fork child's does. Memory is lost, and with it checkpoints (a checkpoint is memory).
+A sandbox's processes die with the host (a reboot), with a daemon stopped with
+``--keep``, and, today, with the daemon itself (kill -9: the launcher has a
+parent-death signal, and the family's PID namespace dies with its init). Its
+files need not: every record says which volumes its root is stacked from
+(``meta["stack"]``: writable volume, frozen layers top first, disk limit, id slot;
+written whenever a body is bound to the record). So a daemon that starts on the
+data directory keeps those volumes and the family's id slot (the files are owned
+by its host id range), lists the sandbox as ``stopped`` under the same id, and
+``start_sandbox`` gives it a new family and a fresh REPL on the same files: the
+stopped volume becomes a frozen layer under a new writable one, as a fork child's
+does. Memory is lost, and with it checkpoints (a checkpoint is memory).
 
 What is not kept yet, closed at start-up with the reason in its record's meta
 (``lost``): a sandbox with a workspace (its branch's commit bookkeeping lives in
@@ -181,6 +182,21 @@ class StoppedSandboxes:
             self.records.mark_closed([sandbox_id])
             await asyncio.to_thread(self.layers.release, st.stack)
         return True
+
+    async def _keep_all(self) -> None:
+        """A daemon's stop with --keep: every sandbox's processes end, its files and its
+        record stay, so the next daemon lists it as stopped. Checkpoints (memory) go."""
+        for sandbox_id in list(self.live):
+            sb = self.live.pop(sandbox_id)
+            if sb.timer:
+                sb.timer.cancel()
+            await self._free_checkpoints(sandbox_id)
+            try:
+                await self._destroy_body(sb.body, keep_files=True)
+            finally:
+                sb.family.members.discard(sandbox_id)
+                if not sb.family.members:
+                    await sb.family.family.kill()
 
     def _release_stopped(self) -> None:
         """A daemon's stop without --keep: stopped sandboxes end with the rest."""
