@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import Harness
 
+from branchbox import Sandbox
 from branchbox.sdk import InvalidRequest
 from branchbox.storage import host_mask
 from branchbox.storage.idmap import UID_BASE
@@ -88,6 +89,13 @@ def test_the_hosts_python_and_tools_run_inside(host_sandbox, host_files) -> None
     assert done.exit_code == 0, done.stdout + done.stderr
     assert done.stdout.splitlines()[0] == "tool from a home directory"
     assert done.stdout.splitlines()[-1] == "/usr"
+
+
+def test_the_host_image_is_listed_with_its_users(host_harness, host_sandbox) -> None:
+    listed = {i["name"]: i for i in Sandbox.list_images(transport=host_harness.transport())}
+    assert listed["host"]["kind"] == "host" and listed["host"]["users"] == [host_sandbox.id]
+    with pytest.raises(InvalidRequest, match="cannot be saved"):
+        host_sandbox.save_image("from-host")
 
 
 def test_host_files_keep_their_owners(host_sandbox, host_files) -> None:

@@ -190,8 +190,10 @@ class SavedImages:
 
     # ----------------------------------------------------------------- ls and rm
     def list_images(self) -> list[dict]:
-        """Built-in images (built or not yet) and saved ones, with their users."""
-        out = []
+        """Built-in images (built or not yet), the host's root, and saved and built ones,
+        with their users."""
+        out = [{"name": HOST, "kind": "host", "built": True, "created": None,
+                "size_bytes": None, "python": SYSTEM_PYTHON, "users": self._users_of(HOST)}]
         for name in KNOWN_IMAGES:
             manifest = image_manifest(name, self.config.image_cache) or {}
             out.append({"name": name, "kind": "built-in", "built": bool(manifest),
