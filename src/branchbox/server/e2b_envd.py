@@ -133,64 +133,58 @@ async def process_connect(request: Request, sandbox_id: SandboxId, engine: Engin
         request, lambda message: _follow(engine, sandbox_id, _pid(message)))
 
 
-def _rpc(request: Request, handler: Callable[[dict], Awaitable[dict]]) -> Awaitable[Response]:
-    return connect_rpc.unary(request, handler)
+def _unary(path: str) -> Callable:
+    """Register a unary call at ``path``: ``handler(engine, sandbox_id, message) -> reply``."""
+
+    def register(handler: Callable[[Engine, str, dict], Awaitable[dict]]) -> Callable:
+        @router.post(path, name=f"e2b{path.replace('/', '_').replace('.', '_')}")
+        async def route(request: Request, sandbox_id: SandboxId, engine: EngineDep
+                        ) -> Response:
+            return await connect_rpc.unary(
+                request, lambda message: handler(engine, sandbox_id, message))
+
+        return handler
+
+    return register
 
 
-@router.post("/process.Process/List")
-async def process_list(request: Request, sandbox_id: SandboxId, engine: EngineDep) -> Response:
-    async def handle(_: dict) -> dict:
-        commands = (await engine.call(sandbox_id, "ps"))["commands"]
-        processes = []
-        for command in commands:
-            if not command["running"]:
-                continue
+@_unary("/process.Process/List")
+async def process_list(engine: Engine, sandbox_id: str, _: dict) -> dict:
+    processes = []
+    for command in (await engine.call(sandbox_id, "ps"))["commands"]:
+        if command["running"]:
             argv = shlex.split(command["cmd"])
             processes.append({"pid": command["pid"],
                               "config": {"cmd": argv[0] if argv else "", "args": argv[1:]}})
-        return {"processes": processes}
-
-    return await _rpc(request, handle)
+    return {"processes": processes}
 
 
-@router.post("/process.Process/SendInput")
-async def process_send_input(request: Request, sandbox_id: SandboxId, engine: EngineDep
-                             ) -> Response:
-    async def handle(message: dict) -> dict:
-        given = message.get("input") or {}
-        if "pty" in given:
-            raise RpcError("unimplemented", "PTY input is not supported by branchbox")
-        try:
-            data = base64.b64decode(given.get("stdin") or "", validate=True)
-        except ValueError:
-            raise RpcError("invalid_argument", "input.stdin must be base64") from None
-        await engine.call(sandbox_id, "input", {"pid": _pid(message)}, data)
-        return {}
-
-    return await _rpc(request, handle)
+@_unary("/process.Process/SendInput")
+async def process_send_input(engine: Engine, sandbox_id: str, message: dict) -> dict:
+    given = message.get("input") or {}
+    if "pty" in given:
+        raise RpcError("unimplemented", "PTY input is not supported by branchbox")
+    try:
+        data = base64.b64decode(given.get("stdin") or "", validate=True)
+    except ValueError:
+        raise RpcError("invalid_argument", "input.stdin must be base64") from None
+    await engine.call(sandbox_id, "input", {"pid": _pid(message)}, data)
+    return {}
 
 
-@router.post("/process.Process/CloseStdin")
-async def process_close_stdin(request: Request, sandbox_id: SandboxId, engine: EngineDep
-                              ) -> Response:
-    async def handle(message: dict) -> dict:
-        await engine.call(sandbox_id, "close_stdin", {"pid": _pid(message)})
-        return {}
-
-    return await _rpc(request, handle)
+@_unary("/process.Process/CloseStdin")
+async def process_close_stdin(engine: Engine, sandbox_id: str, message: dict) -> dict:
+    await engine.call(sandbox_id, "close_stdin", {"pid": _pid(message)})
+    return {}
 
 
-@router.post("/process.Process/SendSignal")
-async def process_send_signal(request: Request, sandbox_id: SandboxId, engine: EngineDep
-                              ) -> Response:
-    async def handle(message: dict) -> dict:
-        signo = _SIGNALS.get(message.get("signal"))  # type: ignore[arg-type]
-        if signo is None:
-            raise RpcError("invalid_argument", "signal must be SIGNAL_SIGKILL or SIGNAL_SIGTERM")
-        await engine.call(sandbox_id, "kill", {"pid": _pid(message), "signal": int(signo)})
-        return {}
-
-    return await _rpc(request, handle)
+@_unary("/process.Process/SendSignal")
+async def process_send_signal(engine: Engine, sandbox_id: str, message: dict) -> dict:
+    signo = _SIGNALS.get(message.get("signal"))  # type: ignore[arg-type]
+    if signo is None:
+        raise RpcError("invalid_argument", "signal must be SIGNAL_SIGKILL or SIGNAL_SIGTERM")
+    await engine.call(sandbox_id, "kill", {"pid": _pid(message), "signal": int(signo)})
+    return {}
 
 
 # ------------------------------------------------------------------------ filesystem
@@ -205,27 +199,13 @@ def _entry(entry: dict) -> dict:
             .replace("+00:00", "Z")}
 
 
-def _fs_route(name: str) -> Callable:
-    """A unary Filesystem call: ``handler(engine, sandbox_id, message) -> reply``."""
-
-    def register(handler: Callable[[Engine, str, dict], Awaitable[dict]]) -> Callable:
-        @router.post(f"/filesystem.Filesystem/{name}", name=f"e2b_fs_{name}")
-        async def route(request: Request, sandbox_id: SandboxId, engine: EngineDep
-                        ) -> Response:
-            return await _rpc(request, lambda message: handler(engine, sandbox_id, message))
-
-        return handler
-
-    return register
-
-
-@_fs_route("Stat")
+@_unary("/filesystem.Filesystem/Stat")
 async def fs_stat(engine: Engine, sandbox_id: str, message: dict) -> dict:
     return {"entry": _entry(await engine.call(sandbox_id, "stat",
                                               {"path": _path(message.get("path"))}))}
 
 
-@_fs_route("ListDir")
+@_unary("/filesystem.Filesystem/ListDir")
 async def fs_list(engine: Engine, sandbox_id: str, message: dict) -> dict:
     depth = message.get("depth") or 1
     if not isinstance(depth, int) or not 1 <= depth <= _MAX_DEPTH:
@@ -246,7 +226,7 @@ async def fs_list(engine: Engine, sandbox_id: str, message: dict) -> dict:
     return {"entries": entries}
 
 
-@_fs_route("MakeDir")
+@_unary("/filesystem.Filesystem/MakeDir")
 async def fs_make_dir(engine: Engine, sandbox_id: str, message: dict) -> dict:
     made = await engine.call(sandbox_id, "mkdir", {"path": _path(message.get("path"))})
     if not made["created"]:
@@ -254,7 +234,7 @@ async def fs_make_dir(engine: Engine, sandbox_id: str, message: dict) -> dict:
     return {"entry": _entry(made)}
 
 
-@_fs_route("Move")
+@_unary("/filesystem.Filesystem/Move")
 async def fs_move(engine: Engine, sandbox_id: str, message: dict) -> dict:
     moved = await engine.call(sandbox_id, "move", {
         "source": _path(message.get("source")),
@@ -262,7 +242,7 @@ async def fs_move(engine: Engine, sandbox_id: str, message: dict) -> dict:
     return {"entry": _entry(moved)}
 
 
-@_fs_route("Remove")
+@_unary("/filesystem.Filesystem/Remove")
 async def fs_remove(engine: Engine, sandbox_id: str, message: dict) -> dict:
     await engine.call(sandbox_id, "remove", {"path": _path(message.get("path")),
                                              "recursive": True})
@@ -285,18 +265,18 @@ async def _watch_events(engine: Engine, sandbox_id: str, watch_id: str) -> list[
     return [{"name": e["name"], "type": _EVENT_TYPES[e["type"]]} for e in taken["events"]]
 
 
-@_fs_route("CreateWatcher")
+@_unary("/filesystem.Filesystem/CreateWatcher")
 async def fs_create_watcher(engine: Engine, sandbox_id: str, message: dict) -> dict:
     made = await engine.call(sandbox_id, "watch", _watch_args(message))
     return {"watcherId": made["id"]}
 
 
-@_fs_route("GetWatcherEvents")
+@_unary("/filesystem.Filesystem/GetWatcherEvents")
 async def fs_watcher_events(engine: Engine, sandbox_id: str, message: dict) -> dict:
     return {"events": await _watch_events(engine, sandbox_id, _watcher(message))}
 
 
-@_fs_route("RemoveWatcher")
+@_unary("/filesystem.Filesystem/RemoveWatcher")
 async def fs_remove_watcher(engine: Engine, sandbox_id: str, message: dict) -> dict:
     await engine.call(sandbox_id, "unwatch", {"id": _watcher(message)})
     return {}
