@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from blocking_app import blocking_transport
 
 from branchbox import (
     AsyncSandbox,
@@ -144,7 +145,7 @@ def test_limits_and_errors(harness, make) -> None:
         sb.checkpoint()
     finally:
         config.max_checkpoints = limit
-    with httpx.Client(transport=_blocking(harness), base_url="http://t") as client:
+    with httpx.Client(transport=blocking_transport(harness), base_url="http://t") as client:
         reply = client.post(f"/v1/sandboxes/{sb.id}/checkpoints", json={"name": 5})
         assert reply.status_code == 400 and "name" in reply.json()["error"]
         reply = client.delete(f"/v1/sandboxes/{sb.id}/checkpoints/cp_nope")
@@ -168,21 +169,3 @@ def test_async_face(harness) -> None:
 
     portal.run(scenario())
 
-
-def _blocking(harness) -> httpx.BaseTransport:
-    """The in-process app as a blocking transport (requests run on the portal loop)."""
-
-    class Portal(httpx.BaseTransport):
-        def handle_request(self, request: httpx.Request) -> httpx.Response:
-            async def send() -> httpx.Response:
-                async with httpx.AsyncClient(transport=harness.transport(),
-                                             base_url="http://t") as client:
-                    reply = await client.send(request)
-                    await reply.aread()
-                    return reply
-
-            reply = portal.run(send())
-            return httpx.Response(reply.status_code, headers=reply.headers,
-                                  content=reply.content)
-
-    return Portal()

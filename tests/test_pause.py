@@ -7,6 +7,7 @@ import time
 
 import httpx
 import pytest
+from blocking_app import blocking_transport
 
 from branchbox import AsyncSandbox, Conflict, Sandbox, SandboxNotFound
 from branchbox.sdk._portal import portal
@@ -112,25 +113,7 @@ def test_async_face_and_rest_errors(harness) -> None:
             assert (await sb.run_code("y")).text == "7"
 
     portal.run(scenario())
-    with httpx.Client(transport=_sync_asgi(harness), base_url="http://t") as client:
+    with httpx.Client(transport=blocking_transport(harness), base_url="http://t") as client:
         reply = client.post("/v1/sandboxes/sbx_" + "0" * 32 + "/pause")
         assert reply.status_code == 404 and reply.json()["error"] == "sandbox not found"
 
-
-def _sync_asgi(harness) -> httpx.BaseTransport:
-    """The in-process app as a blocking transport (requests run on the portal loop)."""
-
-    class Portal(httpx.BaseTransport):
-        def handle_request(self, request: httpx.Request) -> httpx.Response:
-            async def send() -> httpx.Response:
-                async with httpx.AsyncClient(transport=harness.transport(),
-                                             base_url="http://t") as client:
-                    reply = await client.send(request)
-                    await reply.aread()
-                    return reply
-
-            reply = portal.run(send())
-            return httpx.Response(reply.status_code, headers=reply.headers,
-                                  content=reply.content)
-
-    return Portal()

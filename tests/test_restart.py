@@ -37,6 +37,17 @@ def kill_hard(daemon: ServedDaemon, group: str) -> None:
         time.sleep(0.05)
 
 
+def stop_last(first: ServedDaemon, second: ServedDaemon | None, env: dict[str, str]) -> None:
+    """Stop whichever daemon of the data directory runs last (closing its sandboxes and
+    removing the directory); a daemon started only for that if the first one was killed."""
+    if second is not None:
+        second.stop()
+    elif first.proc.poll() is None:
+        first.stop()
+    else:
+        ServedDaemon("restart", env, data_dir=first.data_dir).stop()
+
+
 def test_sandboxes_come_back_stopped_with_their_files() -> None:
     env = {k: v for k, v in os.environ.items() if k != "BRANCHBOX_API_KEY"}
     env["BRANCHBOX_API_KEY"] = KEY
@@ -88,12 +99,7 @@ def test_sandboxes_come_back_stopped_with_their_files() -> None:
         kid.close()
         sb.close()
     finally:
-        if second is not None:
-            second.stop()
-        elif first.proc.poll() is None:
-            first.stop()
-        else:  # reap what the killed daemon left
-            ServedDaemon("restart", env, data_dir=first.data_dir).stop()
+        stop_last(first, second, env)
 
 
 def test_a_stop_with_keep_leaves_sandboxes_stopped() -> None:
@@ -117,9 +123,4 @@ def test_a_stop_with_keep_leaves_sandboxes_stopped() -> None:
         assert sb.start().files.read("/root/kept.txt") == b"through a clean stop"
         sb.close()
     finally:
-        if second is not None:
-            second.stop()
-        elif first.proc.poll() is None:
-            first.stop()
-        else:
-            ServedDaemon("keep", env, data_dir=first.data_dir).stop()
+        stop_last(first, second, env)
