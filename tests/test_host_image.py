@@ -107,7 +107,8 @@ def test_host_files_keep_their_owners(host_sandbox, host_files) -> None:
 
 
 def test_secrets_and_host_state_are_masked(host_harness, host_sandbox, host_files) -> None:
-    paths = ["/etc/shadow", "/etc/gshadow", "/root/.ssh", str(host_files["netrc"]),
+    paths = ["/etc/shadow", "/etc/gshadow", "/etc/ssl/private", "/root/.ssh",
+             str(host_files["netrc"]),
              str(host_files["aws"]), str(host_files["history"]), str(host_files["operator"]),
              str(host_files["operator_home"]), str(host_harness.data_dir),
              str(host_harness.engine.config.image_cache),
