@@ -83,11 +83,11 @@ class ServedDaemon:
 
 
 @contextmanager
-def served_with_key(prefix: str, key: str) -> Iterator[ServedDaemon]:
+def served_with_key(prefix: str, key: str, **env: str) -> Iterator[ServedDaemon]:
     """A daemon whose one API key is ``key`` (whatever ``BRANCHBOX_API_KEY`` the tests
-    were started with), stopped at the end."""
-    env = {k: v for k, v in os.environ.items() if k != "BRANCHBOX_API_KEY"}
-    served = ServedDaemon(prefix, {**env, "BRANCHBOX_API_KEY": key})
+    were started with) and with ``env`` in its environment, stopped at the end."""
+    base = {k: v for k, v in os.environ.items() if k != "BRANCHBOX_API_KEY"}
+    served = ServedDaemon(prefix, {**base, **env, "BRANCHBOX_API_KEY": key})
     try:
         yield served
     finally:

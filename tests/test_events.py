@@ -168,21 +168,55 @@ def test_events_are_in_the_openapi_document(daemon: ServedDaemon) -> None:
 
 
 def test_a_stalled_subscriber_never_holds_the_engine(daemon: ServedDaemon) -> None:
-    """A client that asks for everything and then reads nothing: runs with output go on
-    (their events fill the ring, not the engine's path), and the client, when it reads
-    again, is told what it lost."""
+    """A client that asks for everything and then reads nothing (its receive window a few
+    KiB): runs with output go on while their events pile up behind it, and when it reads
+    again it gets them all, in order."""
     host, port = daemon.url.removeprefix("http://").split(":")
-    stalled = socket.create_connection((host, int(port)))
-    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window
+    stalled.connect((host, int(port)))
     stalled.sendall(f"GET /v1/events?since=0 HTTP/1.1\r\nHost: x\r\n"
                     f"Authorization: Bearer {KEY}\r\n\r\n".encode())
     try:
         with Sandbox(url=daemon.url, api_key=KEY) as sb:
-            for _ in range(40):  # ~40 x 4 KiB of events the stalled client never takes
+            for _ in range(40):  # ~40 x 4 KiB of events the stalled client does not take
                 sb.run_code("print('y' * 5000); import sys; print('z' * 5000, file=sys.stderr)")
             assert sb.run_code("21 * 2").text == "42"
+        stalled.settimeout(60)
+        received = b""
+        while not any(map(_is("close", sb.id), _messages(received))):
+            chunk = stalled.recv(1 << 16)
+            assert chunk, "the stream ended"
+            received += chunk
     finally:
         stalled.close()
+    assert received.startswith(b"HTTP/1.1 200")
+    events = _messages(received)
+    assert [e["id"] for e in events] == list(range(1, len(events) + 1))
+    runs = [e for e in events if e["sandbox"] == sb.id and e["type"] == "exec"]
+    assert len(runs) == 41 and runs[-1]["text"] == "42"
+    assert runs[0]["stdout"] == "…" + "y" * 2047 + "\n"
+
+
+def _messages(raw: bytes) -> list[dict]:
+    """The SSE messages in a raw HTTP response read so far (each came in one chunk, so a
+    whole data line is whole in it)."""
+    return [json.loads(line[len(b"data: "):]) for line in raw.split(b"\n")
+            if line.startswith(b"data: ") and line.endswith(b"}")]
+
+
+def test_a_client_behind_what_is_kept_is_told_what_it_lost() -> None:
+    with served_with_key("events-kept", KEY, BRANCHBOX_EVENTS_KEPT="4") as served:
+        with Sandbox(url=served.url, api_key=KEY) as sb:
+            for _ in range(6):
+                sb.run_code("0")  # events 1 (create) to 7: 4 to 7 are kept
+            with Listener(served, "/v1/events?since=1") as behind:
+                lost, *kept = behind.until(lambda msg: msg.get("id") == 7)
+        assert lost == {"type": "lost", "count": 2, "resume": 4}
+        assert [e["id"] for e in kept] == [4, 5, 6, 7]
+        with Listener(served, "/v1/events?since=99") as unknown:
+            (notice,) = unknown.until(lambda msg: msg["type"] == "lost")
+        assert notice["count"] == -1  # an id this daemon never gave: from an earlier one
 
 
 def test_streams_end_when_the_daemon_stops() -> None:

@@ -51,6 +51,9 @@ class EngineConfig:
     spawn_timeout: float = 60.0
     # Sandboxes kept started per image, so that create hands one out in milliseconds.
     warm_pool: int = field(default_factory=lambda: int(os.environ.get("BRANCHBOX_WARM_POOL", "2")))
+    # Lifecycle events kept for GET /v1/events to resume from (engine.events, also 8 MiB).
+    events_kept: int = field(
+        default_factory=lambda: int(os.environ.get("BRANCHBOX_EVENTS_KEPT", "4096")))
 
     # On stop, keep every sandbox's files and record (``branchbox serve --keep``): the next
     # daemon on this data directory lists them as stopped (engine.stopped).

@@ -34,7 +34,6 @@ from collections.abc import AsyncIterator
 
 from branchbox.engine.records import SandboxRecord
 
-RING_EVENTS = 4096
 RING_BYTES = 8 << 20
 MAX_TEXT = 2048
 """Characters of code, stdout and stderr one ``exec`` event keeps (the tail of output,
@@ -45,10 +44,10 @@ _RUN_OPS = ("run_code", "exec")
 class EventBus:
     """The ring of recent events and the wake-up of everyone waiting for the next one."""
 
-    def __init__(self, max_events: int = RING_EVENTS, max_bytes: int = RING_BYTES) -> None:
+    def __init__(self, max_events: int, max_bytes: int = RING_BYTES) -> None:
         self._ring: deque[tuple[dict, int]] = deque()  # (event, its size in bytes)
         self._bytes = 0
-        self._max_events, self._max_bytes = max_events, max_bytes
+        self._max_events, self._max_bytes = max(1, max_events), max_bytes
         self._ids = itertools.count(1)
         self.last_id = 0
         self._changed = asyncio.Event()
@@ -147,15 +146,20 @@ class _RunOutput:
         self.started = time.monotonic()
         self.out = {"stdout": _Tail(), "stderr": _Tail()}
         self.result: dict = {}
+        self.answered = False
 
     def feed(self, header: dict) -> None:
         kind = header.get("ev")
         if kind in self.out:
             self.out[kind].add(header.get("data", ""))
-        elif kind == "done" and isinstance(header.get("result"), dict):
-            self.result = header["result"]
+        elif kind == "done":
+            self.answered = True
+            result = header.get("result")
+            self.result = result if isinstance(result, dict) else {}
 
     def failed(self, exc: BaseException) -> None:
+        if self.answered:  # closed after its answer (a caller that read all it needed)
+            return
         if isinstance(exc, GeneratorExit | asyncio.CancelledError):
             name, message = "Abandoned", "the caller went away; the run was interrupted"
         else:

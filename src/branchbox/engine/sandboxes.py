@@ -100,7 +100,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         self.net: SandboxNetwork | None = None
         self.host_image: HostImage | None = None
         self.signal_guard = SignalGuard()
-        self.events = EventBus()  # lifecycle events: GET /v1/events and the /ui page
+        self.events = EventBus(self.config.events_kept)  # GET /v1/events and the /ui page
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
