@@ -39,9 +39,10 @@ def require_root() -> None:
 class Harness:
     """One started engine and a factory of SDK sandboxes bound to it."""
 
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: str, data_dir: Path | None = None) -> None:
+        """A new data directory, or ``data_dir`` (a restart on an earlier one's)."""
         require_root()
-        self.data_dir = Path(tempfile.mkdtemp(prefix=f"branchbox-test-{backend}-"))
+        self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix=f"branchbox-test-{backend}-"))
         self.engine = Engine(EngineConfig(data_dir=self.data_dir, storage=backend))
         portal.run(self.engine.start())
         if self.engine.store.backend.name != backend:

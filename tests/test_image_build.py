@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import stat
 import tarfile
 import threading
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import Harness
 
 from branchbox import Sandbox
 from branchbox.sdk import Conflict, ImageBuildFailed, InvalidRequest
@@ -138,6 +140,30 @@ def test_from_a_debian_suite(harness, make) -> None:
     assert sb.run_code("import sys; sys.executable").text == "'/usr/bin/python3'"
     sb.close()
     remove(harness, "bare-bookworm")
+
+
+def test_images_survive_a_restart_of_the_daemon(tmp_path) -> None:
+    first = Harness("btrfs")
+    try:
+        Sandbox.build_image("kept-built", "FROM default\nRUN echo built > /built\n",
+                            transport=first.transport())
+        source = first.sandbox()
+        source.files.write("/saved", b"saved")
+        source.save_image("kept-saved")
+        source.close()
+    finally:
+        first.stop()
+    again = Harness("btrfs", first.data_dir)
+    try:
+        for image, path, data in (("kept-built", "/built", b"built\n"),
+                                  ("kept-saved", "/saved", b"saved")):
+            sb = again.sandbox(image=image)
+            assert sb.files.read(path) == data
+            sb.close()
+        remove(again, "kept-built", "kept-saved")
+    finally:
+        again.stop()
+        shutil.rmtree(first.data_dir, ignore_errors=True)
 
 
 def test_a_bad_spec_or_name_is_refused_before_anything_runs(harness) -> None:

@@ -140,6 +140,16 @@ class SavedImages:
             raise
         return manifest
 
+    def _image_volumes(self) -> set[str]:
+        """Names of the store's volumes images stand on (saved images' and cached build
+        steps'), which a starting daemon keeps."""
+        manifests = self._saved_all()
+        with contextlib.suppress(FileNotFoundError):
+            for path in (self._images_dir() / "steps").glob("*.json"):
+                with contextlib.suppress(OSError, ValueError):
+                    manifests.append(json.loads(path.read_text()))
+        return {Path(m["volume"]).name for m in manifests if m.get("volume")}
+
     def layer_bytes(self, path: Path) -> int:
         """Bytes a layer directory holds (for an image's size)."""
         return _usage(path)

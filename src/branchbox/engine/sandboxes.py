@@ -151,7 +151,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         self._mark_stopped()
 
     def _clear_volumes(self) -> None:
-        keep = self._kept_volumes()
+        keep = self._kept_volumes() | self._image_volumes()
         for path in sorted(self.layers.root.iterdir()):
             if path.name not in keep:
                 self.layers.backend.delete(path)
