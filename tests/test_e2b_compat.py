@@ -197,6 +197,36 @@ def test_commands(daemon: ServedDaemon) -> None:
     assert out["kill_again"] is False
 
 
+def test_pty(daemon: ServedDaemon) -> None:
+    """A terminal: its size (and resize), typed input echoed, ^C reaching the foreground
+    command, the shell's exit code."""
+    out = run(daemon, """
+        import json, time
+        from e2b import Sandbox, PtySize, CommandExitException
+        with Sandbox.create() as sbx:
+            term = sbx.pty.create(PtySize(rows=24, cols=80))
+            sbx.pty.send_stdin(term.pid, b"tty; stty size; echo $((6*7))\\n")
+            listed = term.pid in [p.pid for p in sbx.commands.list()]
+            sbx.pty.send_stdin(term.pid, b"sleep 600\\n")
+            time.sleep(1)
+            sbx.pty.send_stdin(term.pid, b"\\x03")
+            sbx.pty.resize(term.pid, PtySize(rows=30, cols=100))
+            sbx.pty.send_stdin(term.pid, b"stty size; exit 5\\n")
+            seen = []
+            try:
+                term.wait(on_pty=seen.append)
+                code = 0
+            except CommandExitException as exc:
+                code = exc.exit_code
+            text = b"".join(seen).decode()
+            print(json.dumps({"text": text, "code": code, "listed": listed}))
+    """)
+    text = out["text"]
+    assert "/dev/pts/0\r\n24 80\r\n42\r\n" in text
+    assert "^C" in text and "30 100\r\n" in text
+    assert out["code"] == 5 and out["listed"] is True
+
+
 def test_files(daemon: ServedDaemon) -> None:
     out = run(daemon, """
         import json, time

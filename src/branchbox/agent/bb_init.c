@@ -40,6 +40,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -127,6 +128,8 @@ static void child(int fds[4], int err_w, char *cwd, char **argv, char **envp) {
     for (int i = 0; i < 3; i++)
         if (dup2(fds[i], i) < 0)
             _exit(127);
+    if (isatty(0))
+        ioctl(0, TIOCSCTTY, 0); /* a terminal (a PTY command): its controlling one, for ^C */
     if (dup2(err_w, 3) < 0)
         _exit(127);
     fcntl(3, F_SETFD, FD_CLOEXEC);

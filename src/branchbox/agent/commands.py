@@ -22,12 +22,15 @@ from __future__ import annotations
 import codecs
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import shlex
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import time
 from collections.abc import Callable
 from functools import partial
@@ -108,8 +111,10 @@ class Command:
             os.set_blocking(stdin, False)  # a command that does not read must not stall us
         self._saw_not_found = False
         self._err_tail = b""
-        assert proc.stdout is not None and proc.stderr is not None
-        self.streams = [_Stream("stdout", proc.stdout), _Stream("stderr", proc.stderr)]
+        # A PTY command has one stream, its terminal's master end, read as stdout.
+        self.terminal = proc.stderr is None
+        self.streams = [_Stream(name, pipe) for name, pipe in (
+            ("stdout", proc.stdout), ("stderr", proc.stderr)) if pipe is not None]
         for stream in self.streams:
             os.set_blocking(stream.pipe.fileno(), False)
             self.agent.watch(stream.pipe, partial(self._on_readable, stream))
@@ -138,7 +143,7 @@ class Command:
         self.signal(signal.SIGKILL)
 
     def _on_readable(self, stream: _Stream) -> None:
-        data = stream.pipe.read(_READ_SIZE)
+        data = _read(stream)
         if data is None:
             return
         if data:
@@ -240,7 +245,7 @@ class Command:
     def _drain(self, stream: _Stream) -> None:
         left = _DRAIN_LIMIT
         while left > 0:
-            data = stream.pipe.read(_READ_SIZE)
+            data = _read(stream)
             if not data:  # None: empty for now; b"": EOF
                 return
             left -= len(data)
@@ -270,7 +275,8 @@ class Command:
 
     def result(self) -> dict:
         """A finished background command's ``wait`` result (computed once, then delivered)."""
-        stdout, stderr = _fit(self.streams[0].kept, self.streams[1].kept, self.limit)
+        kept = {stream.name: stream.kept for stream in self.streams}
+        stdout, stderr = _fit(kept["stdout"], kept.get("stderr", b""), self.limit)
         if self.limit.truncated:
             stderr += self.limit.marker()
         return {
@@ -296,6 +302,17 @@ class Command:
         self.proc.returncode = -signal.SIGKILL
 
 
+def _read(stream: _Stream) -> bytes | None:
+    """Up to _READ_SIZE bytes; None if none are there yet, b"" at the end (a terminal's
+    master end says EIO once no process has the terminal open)."""
+    try:
+        return stream.pipe.read(_READ_SIZE)
+    except OSError as exc:
+        if exc.errno == errno.EIO:
+            return b""
+        raise
+
+
 def _fit(
     stdout: bytes | bytearray, stderr: bytes | bytearray, limit: OutputLimit
 ) -> tuple[str, str]:
@@ -311,9 +328,10 @@ def _fit(
         stdout, stderr = cut_out, cut_err
 
 
-def _spawn(req: dict, spawner: Callable[[], int] | None) -> tuple[Process, str, bool, int | None]:
-    """Start the command of an exec request; returns (process, display text, via bash?, the
-    write end of its stdin pipe if the request asked for one)."""
+def _spawn(req: dict, spawner: Callable[[], int] | None
+           ) -> tuple[Process, int | None, str, bool]:
+    """Start the command of an exec request; returns (process, where its input is written
+    if the request asked for stdin or a pty, display text, via bash?)."""
     cmd = req.get("cmd")
     if isinstance(cmd, str) and cmd:
         argv, display, shell = ["/bin/bash", "-c", cmd], cmd, True
@@ -329,6 +347,9 @@ def _spawn(req: dict, spawner: Callable[[], int] | None) -> tuple[Process, str, 
     env = param(req, "env", dict, {})
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise RequestError("InvalidRequest", "field 'env' must map strings to strings")
+    size = _terminal_size(req)
+    if size is not None:
+        return _spawn_terminal(spawner, argv, cwd, env, size) + (display, shell)
     stdin_r, stdin_w = os.pipe() if param(req, "stdin", bool, False) else (None, None)
     sock = spawner() if spawner else -1
     try:
@@ -360,7 +381,42 @@ def _spawn(req: dict, spawner: Callable[[], int] | None) -> tuple[Process, str, 
             os.close(stdin_r)
         if stdin_w is not None and sys.exc_info()[0] is not None:
             os.close(stdin_w)
-    return proc, display, shell, stdin_w
+    return proc, stdin_w, display, shell
+
+
+def _terminal_size(req: dict) -> tuple[int, int] | None:
+    """(rows, cols) of the ``pty`` an exec asks for, or None."""
+    pty = param(req, "pty", dict, None)
+    if pty is None:
+        return None
+    rows, cols = param(pty, "rows", int, 24), param(pty, "cols", int, 80)
+    if not (1 <= rows <= 10_000 and 1 <= cols <= 10_000):
+        raise RequestError("InvalidRequest", "pty rows and cols must be between 1 and 10000")
+    return rows, cols
+
+
+def set_terminal_size(fd: int, size: tuple[int, int]) -> None:
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", size[0], size[1], 0, 0))
+
+
+def _spawn_terminal(spawner: Callable[[], int] | None, argv: list[str], cwd: str | None,
+                    env: dict, size: tuple[int, int]) -> tuple[Process, int]:
+    """Start a command on a new terminal of ``size``: (process reading as stdout from the
+    terminal's master end, a descriptor of the master end to write its input to)."""
+    sock = spawner() if spawner else -1
+    if sock < 0:
+        raise RequestError("InvalidRequest", "a pty needs a sandbox (the agent runs bare)")
+    master, slave = os.openpty()
+    try:
+        set_terminal_size(master, size)
+        proc = spawn(sock, argv, cwd, {**os.environ, **env}, tty=slave)
+    except BaseException:
+        os.close(master)
+        raise
+    finally:
+        os.close(slave)
+    proc.stdout = os.fdopen(master, "rb", buffering=0)
+    return proc, os.dup(master)
 
 
 class Commands:
@@ -381,7 +437,7 @@ class Commands:
         background = param(req, "background", bool, False)
         timeout = timeout_param(req)
         limit = output_limit(req)
-        proc, display, shell, stdin = _spawn(req, self.spawner)
+        proc, stdin, display, shell = _spawn(req, self.spawner)
         command = Command(
             self,
             proc,
@@ -474,6 +530,15 @@ class Commands:
         self._find(req).write_stdin(payload)
         agent.done(req["rid"], {})
 
+    def handle_resize(self, agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None:
+        """``resize`` {pid, pty: {rows, cols}}: a PTY command's terminal size."""
+        command = self._find(req)
+        size = _terminal_size(req)
+        if not command.terminal or command.stdin is None or size is None:
+            raise RequestError("InvalidRequest", f"command {command.pid} has no open pty")
+        set_terminal_size(command.stdin, size)
+        agent.done(req["rid"], {})
+
     def handle_close_stdin(self, agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None:
         """``close_stdin`` {pid}: end of input for a background command."""
         self._find(req).close_stdin()
@@ -488,6 +553,7 @@ class Commands:
                 "running": c.exit_code is None,
                 "exit_code": c.exit_code,
                 "stdin": c.stdin is not None,
+                "pty": c.terminal,
             }
             for c in self.background.values()
         ]

@@ -56,6 +56,7 @@ def register_ops(agent: Agent, spawner: Callable[[], int] | None = None) -> None
     agent.register("follow", commands.handle_follow)
     agent.register("input", commands.handle_input)
     agent.register("close_stdin", commands.handle_close_stdin)
+    agent.register("resize", commands.handle_resize)
     agent.register("read", handle_read)
     agent.register("write", uploads.handle_write)
     agent.register("list", handle_list)

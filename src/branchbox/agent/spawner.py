@@ -22,7 +22,7 @@ _REPLY_TIMEOUT = 30.0  # bb-init answers as soon as the exec happened; this only
 class Spawned:
     """A command started through the spawner: what ``Command`` uses of a ``Popen``."""
 
-    def __init__(self, pid: int, stdout: IO[bytes], stderr: IO[bytes]) -> None:
+    def __init__(self, pid: int, stdout: IO[bytes] | None, stderr: IO[bytes] | None) -> None:
         self.pid = pid
         self.stdout = stdout
         self.stderr = stderr
@@ -53,18 +53,24 @@ def _request(argv: list[str], cwd: str, env: dict[str, str]) -> bytes:
 
 
 def spawn(spawner: int, argv: list[str], cwd: str | None, env: dict[str, str],
-          stdin: int | None = None) -> Spawned:
+          stdin: int | None = None, tty: int | None = None) -> Spawned:
     """Start ``argv`` in Q; OSError as Popen raises it (filename = cwd or argv[0]).
 
     ``stdin`` (a descriptor the caller keeps and closes) is the command's stdin, else
-    /dev/null."""
+    /dev/null. With ``tty`` (a terminal's slave end, kept by the caller) the terminal is
+    its stdin, stdout and stderr and its controlling terminal, and the result has no
+    pipes: the caller reads the master end."""
     cwd = cwd or os.getcwd()
     request = _request(argv, cwd, env)
     memfd = os.memfd_create("bb-spawn", os.MFD_CLOEXEC)
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    null = os.O_RDONLY | os.O_CLOEXEC
-    stdin = os.open("/dev/null", null) if stdin is None else os.dup(stdin)
+    if tty is not None:
+        out_r = err_r = None
+        stdin, out_w, err_w = os.dup(tty), os.dup(tty), os.dup(tty)
+    else:
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        null = os.O_RDONLY | os.O_CLOEXEC
+        stdin = os.open("/dev/null", null) if stdin is None else os.dup(stdin)
     sock = socket.socket(fileno=os.dup(spawner))
     try:
         os.write(memfd, request)
@@ -72,8 +78,7 @@ def spawn(spawner: int, argv: list[str], cwd: str | None, env: dict[str, str],
         socket.send_fds(sock, [b"s"], [stdin, out_w, err_w, memfd])
         reply = sock.recv(64).split()
     except BaseException:
-        for fd in (out_r, err_r):
-            os.close(fd)
+        _close(out_r, err_r)
         raise
     finally:
         sock.close()
@@ -84,10 +89,17 @@ def spawn(spawner: int, argv: list[str], cwd: str | None, env: dict[str, str],
     except ValueError:
         pid, err, step = -1, errno.EPIPE, 0
     if pid <= 0 or err:
-        os.close(out_r)
-        os.close(err_r)
+        _close(out_r, err_r)
         if pid > 0:  # cloned, but chdir or exec failed: it has exited
             os.waitpid(pid, 0)
         where = cwd if step == 1 else argv[0]
         raise OSError(err or errno.EIO, os.strerror(err or errno.EIO), where)
+    if out_r is None or err_r is None:
+        return Spawned(pid, None, None)
     return Spawned(pid, os.fdopen(out_r, "rb", buffering=0), os.fdopen(err_r, "rb", buffering=0))
+
+
+def _close(*fds: int | None) -> None:
+    for fd in fds:
+        if fd is not None:
+            os.close(fd)

@@ -69,7 +69,7 @@ ATTACH_DIR = Path("/run/branchbox/attach")
 # Requests that never touch the REPL's interpreter state, so they skip its lock.
 # (follow streams a background command's output for as long as it runs.)
 _LOCK_FREE_OPS = {"ping", "wait", "kill", "ps", "follow", "input", "close_stdin",
-                  "watch", "watch_events", "unwatch"}
+                  "resize", "watch", "watch_events", "unwatch"}
 
 
 class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,

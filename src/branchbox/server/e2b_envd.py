@@ -6,7 +6,7 @@ Requests arrive on the daemon's own listener (``E2B_SANDBOX_URL`` mode), named b
 is one engine call; the translation, field by field, follows E2B's process and
 filesystem protos (camelCase JSON, bytes as base64, 64-bit integers as strings):
 
-- Process.Start is a background ``exec`` (with a stdin pipe if asked), then a
+- Process.Start is a background ``exec`` (with a stdin pipe, or a PTY, if asked), then a
   ``follow`` of it: start (pid), data (stdout/stderr), end (exit code). The
   process outlives the stream, as in E2B: Connect follows it again by pid,
   SendInput/CloseStdin/SendSignal reach it by pid, List shows the running ones.
@@ -14,7 +14,7 @@ filesystem protos (camelCase JSON, bytes as base64, 64-bit integers as strings):
   ``/home/user``, E2B's home. Watches are inotify watches the agent keeps
   (CreateWatcher/GetWatcherEvents/RemoveWatcher; WatchDir polls one).
 
-Not served: entries in watch events, PTYs, selecting a process by tag, client-streamed
+Not served: entries in watch events, selecting a process by tag, client-streamed
 input, running as another user (commands run as the sandbox's root).
 """
 
@@ -83,9 +83,16 @@ def _b64(data: bytes) -> str:
 
 
 # ------------------------------------------------------------------------- processes
+def _size(message: dict) -> dict:
+    """A PTY message's size as the agent takes it."""
+    size = (message.get("pty") or {}).get("size") or {}
+    rows, cols = size.get("rows", 24), size.get("cols", 80)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (rows, cols)):
+        raise RpcError("invalid_argument", "pty.size rows and cols must be integers")
+    return {"rows": rows, "cols": cols}
+
+
 def _start_args(message: dict) -> dict:
-    if message.get("pty"):
-        raise RpcError("unimplemented", "PTY processes are not supported by branchbox")
     config = message.get("process")
     if not isinstance(config, dict) or not isinstance(config.get("cmd"), str):
         raise RpcError("invalid_argument", "process.cmd must be a string")
@@ -97,18 +104,25 @@ def _start_args(message: dict) -> dict:
         raise RpcError("invalid_argument", "process.envs must map strings to strings")
     request: dict = {"cmd": [config["cmd"], *args], "env": envs, "background": True,
                      "stdin": bool(message.get("stdin"))}
+    if message.get("pty"):
+        request["pty"] = _size(message)
     if config.get("cwd"):
         request["cwd"] = _path(config["cwd"])
     return request
 
 
-async def _follow(engine: Engine, sandbox_id: str, pid: int) -> AsyncIterator[dict]:
-    """A background command as E2B's process events: start, data..., end."""
+async def _follow(engine: Engine, sandbox_id: str, pid: int, pty: bool | None = None
+                  ) -> AsyncIterator[dict]:
+    """A background command as E2B's process events: start, data..., end (a PTY command's
+    output is ``pty`` data)."""
+    if pty is None:
+        commands = (await engine.call(sandbox_id, "ps"))["commands"]
+        pty = any(c["pid"] == pid and c.get("pty") for c in commands)
     yield {"event": {"start": {"pid": pid}}}
     async for header, _ in engine.stream(sandbox_id, "follow", {"pid": pid}):
         kind = header.get("ev")
         if kind in ("stdout", "stderr"):  # text (the agent decodes UTF-8) as E2B's bytes
-            yield {"event": {"data": {kind: _b64(header["data"].encode())}}}
+            yield {"event": {"data": {"pty" if pty else kind: _b64(header["data"].encode())}}}
         elif kind == "done" and (result := header.get("result") or {}).get("following"):
             code = result.get("exit_code")
             yield {"event": {"end": {"exitCode": code, "exited": True,
@@ -119,8 +133,9 @@ async def _follow(engine: Engine, sandbox_id: str, pid: int) -> AsyncIterator[di
 async def process_start(request: Request, sandbox_id: SandboxId, engine: EngineDep
                         ) -> Response:
     async def events(message: dict) -> AsyncIterator[dict]:
-        started = await engine.call(sandbox_id, "exec", _start_args(message))
-        async for event in _follow(engine, sandbox_id, started["pid"]):
+        args = _start_args(message)
+        started = await engine.call(sandbox_id, "exec", args)
+        async for event in _follow(engine, sandbox_id, started["pid"], "pty" in args):
             yield event
 
     return await connect_rpc.server_stream(request, events)
@@ -162,13 +177,18 @@ async def process_list(engine: Engine, sandbox_id: str, _: dict) -> dict:
 @_unary("/process.Process/SendInput")
 async def process_send_input(engine: Engine, sandbox_id: str, message: dict) -> dict:
     given = message.get("input") or {}
-    if "pty" in given:
-        raise RpcError("unimplemented", "PTY input is not supported by branchbox")
     try:
-        data = base64.b64decode(given.get("stdin") or "", validate=True)
+        data = base64.b64decode(given.get("pty") or given.get("stdin") or "", validate=True)
     except ValueError:
-        raise RpcError("invalid_argument", "input.stdin must be base64") from None
+        raise RpcError("invalid_argument", "input must be base64") from None
     await engine.call(sandbox_id, "input", {"pid": _pid(message)}, data)
+    return {}
+
+
+@_unary("/process.Process/Update")
+async def process_update(engine: Engine, sandbox_id: str, message: dict) -> dict:
+    """A PTY's new size."""
+    await engine.call(sandbox_id, "resize", {"pid": _pid(message), "pty": _size(message)})
     return {}
 
 
