@@ -1,4 +1,5 @@
-"""A daemon killed with -9 (issue 16, finding 7) leaves nothing frozen and nothing mounted twice.
+"""A daemon killed with -9 (issue 16, finding 7) leaves nothing frozen, nothing mounted twice,
+and no workspace half committed.
 
 Against real ``branchbox serve`` processes. The commit path's fault injection
 (``BRANCHBOX_COMMIT_FAULT``) makes the daemon SIGKILL itself mid-commit, while the
@@ -79,3 +80,31 @@ def test_a_daemon_killed_inside_a_commit_leaves_nothing_frozen(workspace: Path) 
         else:  # reap what the killed daemon left
             (restarted or ServedDaemon("kill9", env, data_dir=daemon.data_dir)).stop()
     assert not mounts_under(daemon.data_dir), mounts_under(daemon.data_dir)
+
+
+def test_a_commit_cut_by_a_kill_is_finished_without_waiting_for_a_restart(
+        workspace: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
+    env["BRANCHBOX_API_KEY"] = "kill9-test-key"
+    daemon = ServedDaemon("kill9", {**env, FAULT_ENV: "apply:1"})  # dies after one step
+    try:
+        sb = Sandbox(url=daemon.url, api_key="kill9-test-key", workspace=workspace)
+        assert sb.exec(f"echo a > {workspace}/a; echo b > {workspace}/b").exit_code == 0
+        with pytest.raises(SandboxError):
+            sb.commit()
+        assert daemon.proc.wait(30) == -9, daemon.log.read_text()
+        # No daemon runs now; the directory must become entirely the new version anyway.
+        def staging() -> list[Path]:
+            return [p for p in workspace.parent.iterdir()
+                    if p.name.startswith(f".{workspace.name}.branchbox-commit")]
+
+        names = {"a", "b"}
+        eventually(lambda: {p.name for p in workspace.iterdir()} == names and not staging(),
+                   within=10)
+        assert {p.name for p in workspace.iterdir()} == names
+        assert not staging()
+    finally:
+        if daemon.proc.poll() is None:
+            daemon.stop()
+        else:
+            ServedDaemon("kill9", env, data_dir=daemon.data_dir).stop()

@@ -81,6 +81,7 @@ class Workspaces:
                     f"{host} changed since sandbox {sandbox_id} branched from it: another "
                     "sandbox committed first (first commit wins)")
             self.records.begin_commit(host)
+            self._thaw_guard.commit_started(host)  # recovered by it if we die meanwhile
             try:
                 async with self._frozen_workspace(sb.body) as layers:
                     done = await asyncio.to_thread(workspace_commit.commit, layers, host,

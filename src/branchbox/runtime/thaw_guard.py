@@ -1,28 +1,35 @@
-"""A watcher that thaws a daemon's sandboxes the moment the daemon dies, however it dies.
+"""A watcher that cleans up after a daemon the moment it dies, however it dies.
 
 Fork freezes a sandbox's commands and commit freezes the whole sandbox, each for a
 moment. A daemon killed in that moment (``kill -9``, the OOM killer) leaves the
 sandbox frozen, and nothing thaws it until a daemon starts again on the same data
-directory: its agent and everything it runs hang. So the daemon starts this small
-process at start-up, holding the write end of a pipe whose read end is this
-process's stdin (close-on-exec in the daemon, so no sandbox process keeps it open).
-When the read returns end-of-file the daemon is gone, and this process thaws every
-cgroup of the daemon's group (:func:`branchbox.runtime.cgroups.thaw_leftovers`) and
-exits. It kills nothing: a later daemon decides whether to re-attach the sandboxes
-or reap them.
+directory: its agent and everything it runs hang. A daemon killed while applying a
+workspace commit leaves the host directory half old, half new until then, too.
+
+So the daemon starts this small process at start-up, holding the write end of a
+pipe whose read end is this process's stdin (close-on-exec in the daemon, so no
+sandbox process keeps it open). The daemon writes the host directory of every
+commit it begins there, one JSON string a line. When the read returns end-of-file
+the daemon is gone, and this process thaws every cgroup of the daemon's group
+(:func:`branchbox.runtime.cgroups.thaw_leftovers`), finishes or undoes every commit
+the daemon left (:func:`branchbox.storage.journal.recover`: idempotent, and it
+leaves alone a commit whose process still holds its lock), and exits. It kills
+nothing: a later daemon decides whether to re-attach the sandboxes or reap them.
 
     python -m branchbox.runtime.thaw_guard <cgroup group>
 """
 
 from __future__ import annotations
 
-import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 from branchbox.runtime.cgroups import thaw_leftovers
+from branchbox.storage.journal import FAULT_ENV, recover
 
 
 class ThawGuard:
@@ -31,13 +38,22 @@ class ThawGuard:
     def __init__(self, group: str) -> None:
         # Its own session: a ^C meant for a daemon in the foreground must not kill the
         # guard first (the daemon stops gracefully then and thaws by itself anyway).
+        # Without the commit fault point: a crash test's fault is for the daemon's commit,
+        # not for the recovery of it.
+        env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "branchbox.runtime.thaw_guard", group],
+            [sys.executable, "-m", "branchbox.runtime.thaw_guard", group], env=env,
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
 
     @property
     def pid(self) -> int:
         return self._proc.pid
+
+    def commit_started(self, host: Path) -> None:
+        """A commit into ``host`` begins: if the daemon dies now, the guard recovers it."""
+        if self._proc.stdin is not None:
+            self._proc.stdin.write(json.dumps(str(host)).encode() + b"\n")
+            self._proc.stdin.flush()
 
     def stop(self) -> None:
         """Close the pipe (the guard thaws what is left, then exits) and reap it."""
@@ -53,12 +69,20 @@ class ThawGuard:
 def main(argv: list[str]) -> int:
     (group,) = argv
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    with contextlib.suppress(OSError):
-        while os.read(0, 4096):  # the daemon never writes: this returns at its death
-            pass
+    hosts: dict[str, None] = {}
+    for line in sys.stdin.buffer:  # ends at the daemon's death (or its graceful stop)
+        hosts[json.loads(line)] = None
     thawed = thaw_leftovers(group)
     if thawed:
         print(f"thaw guard: thawed {thawed} sandbox cgroups of {group}", file=sys.stderr)
+    for host in hosts:
+        try:
+            outcome = recover(Path(host))
+        except OSError as exc:
+            print(f"thaw guard: recovering the commit into {host}: {exc}", file=sys.stderr)
+            continue
+        if outcome != "clean":
+            print(f"thaw guard: commit into {host} {outcome}", file=sys.stderr)
     return 0
 
 
