@@ -6,8 +6,9 @@ PY := $(VENV)/bin/python
 DATA_DIR ?= /var/lib/branchbox
 # libnftables1: the sandbox firewall (runtime.nft loads it with ctypes).
 APT_PACKAGES := debootstrap btrfs-progs gcc libc6-dev libnftables1
-# The /ui page's tests drive Debian's headless Chromium through its chromedriver.
-TEST_APT_PACKAGES := chromium chromium-driver
+# The /ui page's tests drive Debian's headless Chromium through its chromedriver; the
+# host-disk tests make a small ext4 filesystem (mkfs.ext4) to stand in for a full host disk.
+TEST_APT_PACKAGES := chromium chromium-driver e2fsprogs
 
 .PHONY: run test soak system-deps test-deps image lint bench
 
