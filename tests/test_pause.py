@@ -3,6 +3,7 @@ timeouts stop counting; REST, both SDK faces and the listing show the state."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import httpx
@@ -53,6 +54,25 @@ def test_a_paused_sandbox_runs_nothing_and_keeps_its_state(harness, make) -> Non
     wait_for_ticks(harness, sb, frozen_at + 3)
     assert sb.run_code("kept['answer']").text == "42"
     assert sb.resume()["state"] == "ready"  # idempotent
+
+
+def test_a_pause_waits_for_the_call_in_progress(harness, make) -> None:
+    """No call is frozen half-way (its deadline would run out while paused): pause waits."""
+    sb = make()
+    done = threading.Event()
+
+    def run() -> None:
+        sb.run_code("import time; time.sleep(1.5); finished = True", timeout=3)
+        done.set()
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    time.sleep(0.4)  # the run holds the REPL now
+    sb.pause()
+    assert done.is_set(), "pause returned while a run was still going"
+    runner.join()
+    sb.resume()
+    assert sb.run_code("finished").text == "True"
 
 
 def test_timeouts_stop_counting_while_paused(harness) -> None:

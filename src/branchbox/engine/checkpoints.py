@@ -119,7 +119,7 @@ class Checkpoints:
             self.events.publish("checkpoint", sb.record, checkpoint=cp.id, name=name)
             return cp
         finally:
-            sb.lock.release()
+            self._unlock(sb)  # once the REPL is done with calls given up on
 
     async def _copy_checkpoint(self, cp: Checkpoint, meta: dict, n: int) -> list[tuple[str, Body]]:
         """``n`` running bodies forked from the checkpoint. Only its REPL thaws, for the
@@ -156,7 +156,7 @@ class Checkpoints:
             await self._take_over(sb, old)
             self.events.publish("restore", sb.record, checkpoint=checkpoint_id)
         finally:
-            sb.lock.release()
+            self._unlock(sb)  # once the REPL is done with calls given up on
 
     async def fork_checkpoint(self, sandbox_id: str, checkpoint_id: str, n: int) -> list[Live]:
         """``n`` new sandboxes from the checkpoint's instant, children of its sandbox."""

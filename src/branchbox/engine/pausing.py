@@ -5,9 +5,11 @@ its memory and files; its lifetime timeout stops counting (the time left is
 kept in its record's meta as ``timeout_left`` and re-armed by resume) and the
 idle timeout treats it as in use. Calls that need its REPL are refused with a
 409 until it is resumed, instead of waiting on a process that cannot answer.
-A call already running when the pause comes is frozen with it and goes on
-after resume (a run's own timeout is the REPL's wall-clock timer and keeps
-counting). Closing a paused sandbox works as for any other (the kill thaws).
+A pause waits for a call already running on the REPL (a run, a fork, a merge:
+up to the engine's busy wait, then 409), so no call is frozen half-way and no
+run's deadline (the REPL's own timer, the daemon's, see engine.run_guard) runs
+out while it is paused; background commands are frozen wherever they are.
+Closing a paused sandbox works as for any other (the kill thaws).
 """
 
 from __future__ import annotations
@@ -28,17 +30,23 @@ class Pausing:
     async def pause(self, sandbox_id: str) -> dict:
         """Freeze everything in the sandbox; idempotent. Returns its info."""
         sb = self.get(sandbox_id)
-        if sb.record.state != PAUSED:
-            self._check_alive(sb)
-            try:
-                await asyncio.to_thread(sb.body.cgroup.freeze)
-            except FreezeFailed as exc:
-                raise errors.Conflict(f"pause failed: {exc}") from None
+        if sb.record.state == PAUSED:
+            return self.info(sandbox_id)
+        await self._acquire(sb, self.config.busy_wait)
+        try:
             if self.live.get(sandbox_id) is not sb:  # closed or merged away meanwhile
                 raise errors.SandboxNotFound()
-            self._stop_clock(sb)
-            sb.record.state = PAUSED
-            self.records.put(sb.record)
+            if sb.record.state != PAUSED:
+                self._check_alive(sb)
+                try:
+                    await asyncio.to_thread(sb.body.cgroup.freeze)
+                except FreezeFailed as exc:
+                    raise errors.Conflict(f"pause failed: {exc}") from None
+                self._stop_clock(sb)
+                sb.record.state = PAUSED
+                self.records.put(sb.record)
+        finally:
+            self._unlock(sb)
         return self.info(sandbox_id)
 
     async def resume(self, sandbox_id: str) -> dict:
