@@ -93,6 +93,7 @@ def test_the_page_refuses_without_the_key(daemon: ServedDaemon, browser) -> None
 
 def test_a_fork_merge_round_shows_live(daemon: ServedDaemon, browser, tmp_path: Path) -> None:
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
 
     browser.get(f"{daemon.url}/ui?key={KEY}")
     assert browser.current_url == f"{daemon.url}/ui"  # the key left the address bar
@@ -127,7 +128,9 @@ def test_a_fork_merge_round_shows_live(daemon: ServedDaemon, browser, tmp_path: 
         parent_card.click()
         _wait(browser, lambda d: "hello from the parent" in d.find_element(By.ID, "details").text,
               "the parent's last run and its output")
-        _node(browser, children[1].id).find_element(By.CSS_SELECTOR, ".card").click()
+        # The second by keyboard: a card takes the focus and Enter selects it.
+        _node(browser, children[1].id).find_element(By.CSS_SELECTOR, ".card").send_keys(
+            Keys.ENTER)
         _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#diff .diff-removed"),
               "the diff of two nodes")
         removed = browser.find_element(By.CSS_SELECTOR, "#diff .diff-removed")

@@ -322,9 +322,17 @@ function start() {
   for (const li of document.querySelectorAll("li.node")) adopt(li);
   const initial = JSON.parse($("#bb-runs").textContent);
   for (const [id, list] of Object.entries(initial)) runs.set(id, list);
-  $("#families").addEventListener("click", (event) => {
+  const families = $("#families");
+  const chosen = (event) => {
     const li = event.target.closest(".card")?.parentElement;
     if (li?.dataset.id) select(li.dataset.id);
+  };
+  families.addEventListener("click", chosen);
+  families.addEventListener("keydown", (event) => {
+    if (event.key === "Enter" || event.key === " ") {
+      event.preventDefault();
+      chosen(event);
+    }
   });
   connect();
   refreshAges();
