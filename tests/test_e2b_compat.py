@@ -244,6 +244,9 @@ def test_files(daemon: ServedDaemon) -> None:
             info = sbx.files.get_info("/home/user/a/b/moved.txt")
             exists = [sbx.files.exists(p) for p in ("/home/user/data.txt", moved.path)]
             sbx.files.remove("/home/user/a")
+            # Larger than any JSON body the daemon takes: uploads stream past that limit.
+            sbx.files.write("/tmp/big.bin", b"\\x01" * (65 << 20))
+            big = sbx.files.get_info("/tmp/big.bin").size
             time.sleep(0.2)
             events = [(e.name, e.type.value) for e in watch.get_new_events()]
             watch.stop()
@@ -256,7 +259,7 @@ def test_files(daemon: ServedDaemon) -> None:
                 "read": read, "binary": len(binary) == 140000 and binary[:2] == b"\\x00\\xff",
                 "made": [made, made_again], "moved": moved.path, "listed": listed,
                 "size": info.size, "exists": exists, "missing": missing,
-                "after": sbx.files.exists("/home/user/a"), "events": events}))
+                "after": sbx.files.exists("/home/user/a"), "events": events, "big": big}))
     """)
     assert out["read"] == "hello" and out["binary"] is True
     assert out["made"] == [True, False] and out["moved"] == "/home/user/a/b/moved.txt"
@@ -264,6 +267,7 @@ def test_files(daemon: ServedDaemon) -> None:
         ["b", "dir"], ["moved.txt", "file"]]
     assert out["size"] == 5 and out["exists"] == [False, True]
     assert out["missing"] == "NotFoundException" and out["after"] is False
+    assert out["big"] == 65 << 20
     assert [list(e) for e in out["events"]] == [
         ["data.txt", "write"], ["relative.bin", "write"], ["a", "create"], ["a/b", "create"],
         ["data.txt", "rename"], ["a/b/moved.txt", "create"], ["a/b/moved.txt", "remove"],
@@ -299,6 +303,14 @@ def test_run_code(daemon: ServedDaemon) -> None:
                                    on_stdout=lambda m: streamed.append(m.line))
             chart = sbx.run_code("import matplotlib.pyplot as plt; plt.plot([1,2,3]); plt.show()")
             html = sbx.run_code("df.head(2)")
+            rich = sbx.run_code(
+                "class R:\\n"
+                "    def _repr_svg_(self): return '<svg xmlns=\\"http://www.w3.org/2000/svg\\"/>'\\n"
+                "    def _repr_json_(self): return {'a': [1, 2]}\\n"
+                "    def _repr_markdown_(self): return '**b**'\\n"
+                "R()").results[0]
+            env = sbx.run_code("import os; os.environ.get('FOO')", envs={"FOO": "bar"}).text
+            env_after = sbx.run_code("os.environ.get('FOO')").text
             ctx_a = sbx.create_code_context()
             ctx_b = sbx.create_code_context(cwd="/tmp")
             sbx.run_code("v = 'a'", context=ctx_a)
@@ -321,6 +333,8 @@ def test_run_code(daemon: ServedDaemon) -> None:
                 "total": total, "stdout": printed.logs.stdout, "stderr": printed.logs.stderr,
                 "streamed": streamed, "png": bool(chart.results and chart.results[0].png),
                 "html": bool(html.results and html.results[0].html), "values": values,
+                "rich": [rich.svg, rich.json, rich.markdown, rich.is_main_result],
+                "env": [env, env_after],
                 "cwd_b": cwd_b, "main_has_v": main_has_v, "listed": listed,
                 "ids": sorted([ctx_a.id, ctx_b.id]), "after_restart": after_restart,
                 "left": [c.id for c in sbx.list_code_contexts()], "a": ctx_a.id,
@@ -331,6 +345,9 @@ def test_run_code(daemon: ServedDaemon) -> None:
     assert out["stdout"] == ["one\n"] and out["stderr"] == ["two\n"]
     assert out["streamed"] == ["one\n"]
     assert out["png"] is True and out["html"] is True
+    assert out["rich"] == ['<svg xmlns="http://www.w3.org/2000/svg"/>', {"a": [1, 2]}, "**b**",
+                           True]
+    assert out["env"] == ["'bar'", None]  # a None value shows nothing, as in Jupyter
     assert out["values"] == ["'a'", "'b'"] and out["cwd_b"] == "'/tmp'"
     assert out["main_has_v"] == "False" and out["listed"] == out["ids"]
     assert out["after_restart"] == "False" and out["left"] == [out["a"]]

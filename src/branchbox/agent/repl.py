@@ -249,12 +249,18 @@ class Repl:
         warnings.filterwarnings("ignore", message="FigureCanvasAgg is non-interactive")
 
     def handle_run_code(self, agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None:
-        """``run_code`` {code, timeout?, max_output?, context?}: stdout/stderr events, then
-        done. With ``context``, the cell runs in that named context."""
+        """``run_code`` {code, timeout?, max_output?, context?, env?}: stdout/stderr events,
+        then done. With ``context``, the cell runs in that named context; ``env`` is set in
+        ``os.environ`` while it runs (and put back after)."""
         rid = req["rid"]
         code = param(req, "code", str)
         timeout = timeout_param(req)
         context = self._context(param(req, "context", str, None))
+        env = param(req, "env", dict, {})
+        if not all(isinstance(k, str) and k and "=" not in k and "\0" not in k
+                   and isinstance(v, str) and "\0" not in v for k, v in env.items()):
+            raise RequestError("InvalidRequest", "env must map variable names to strings")
+        saved_env = {name: os.environ.get(name) for name in env}
         call = _Call(rid, output_limit(req))
         started = time.monotonic()
         if sys.stdin is None or sys.stdin.closed:
@@ -267,6 +273,7 @@ class Repl:
         try:
             if home is not None:
                 os.chdir(context.cwd)
+            os.environ.update(env)
             outcome = self._run(code, timeout, context.namespace if context else self.namespace)
             if os.getpid() != call.pid:
                 # User code forked and did not exit: this child must never reach the loop.
@@ -279,6 +286,11 @@ class Repl:
             capture.close()
             sys.stdout, sys.stderr = saved
             self.call = None
+            for name, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
             if home is not None:
                 with contextlib.suppress(OSError):  # the cell removed it: stay
                     os.chdir(home)

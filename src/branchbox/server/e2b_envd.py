@@ -41,6 +41,7 @@ from branchbox.server.deps import EngineDep
 from branchbox.server.e2b_access import SandboxId
 from branchbox.server.e2b_control import E2B_HOME, e2b_error
 from branchbox.server.errors import describe
+from branchbox.server.files import _limited, _too_large
 from branchbox.server.models import check_sandbox_path
 from branchbox.server.streams import bytes_response, opened
 
@@ -353,8 +354,11 @@ async def upload(request: Request, sandbox_id: SandboxId, engine: EngineDep,
     """E2B's upload: a multipart form of files (each named by its path, or by ``path``),
     or one octet-stream body for ``path``. Answers the written files' entries."""
     limit: int = request.app.state.max_upload
+    declared = request.headers.get("content-length", "")
     written = []
     try:
+        if declared.isdigit() and int(declared) > limit:
+            raise _too_large(limit)
         if request.headers.get("content-type", "").startswith("multipart/form-data"):
             async with request.form(max_part_size=limit) as form:
                 for _, part in form.multi_items():
@@ -367,7 +371,7 @@ async def upload(request: Request, sandbox_id: SandboxId, engine: EngineDep,
             if path is None:
                 raise RpcError("invalid_argument", "an octet-stream upload needs ?path=")
             target = _path(path)
-            await engine.write_file(sandbox_id, target, request.stream())
+            await engine.write_file(sandbox_id, target, _limited(request.stream(), limit))
             written.append(target)
     except (errors.EngineError, RpcError) as exc:
         return _files_error(exc)

@@ -1,6 +1,7 @@
 """E2B's code interpreter API (the sandbox's port 49999): ``/execute`` and ``/contexts``.
 
-``/execute`` runs a cell in the sandbox's REPL and streams E2B's NDJSON lines as it
+``/execute`` runs a cell (with its ``env_vars`` in ``os.environ`` meanwhile) in the
+sandbox's REPL and streams E2B's NDJSON lines as it
 runs: ``stdout``/``stderr`` (``text``, ``timestamp``), then ``result`` lines (each
 matplotlib figure, then the cell's value with its rich representations: text,
 html, markdown, svg, png, jpeg, latex, json, javascript) and an ``error`` line
@@ -84,10 +85,7 @@ def _failed(message: str, kind: str, _status: int) -> list[dict]:
 @router.post("/execute")
 async def execute(body: Execute, sandbox_id: SandboxId, engine: EngineDep) -> Response:
     _python_only(body.language)
-    if body.env_vars:
-        raise errors.InvalidRequest("env_vars per execution are not supported: give them "
-                                    "when creating the sandbox, or set os.environ in the cell")
-    args: dict = {"code": body.code}
+    args: dict = {"code": body.code, "env": body.env_vars or {}}
     if body.context_id is not None:
         args["context"] = body.context_id
     return await ndjson_response(engine.stream(sandbox_id, "run_code", args), _lines, _failed)

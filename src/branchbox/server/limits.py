@@ -22,8 +22,8 @@ from branchbox.server.errors import error_response
 
 class BodyLimit:
     """ASGI middleware: 413 ``PayloadTooLarge`` for bodies over ``limit`` bytes, except
-    file uploads (``PUT .../files``) and build contexts (``POST /v1/images``), which their
-    handlers bound by the upload limit."""
+    file uploads (``PUT .../files``, E2B's ``POST /files``) and build contexts (``POST
+    /v1/images``), which their handlers bound by the upload limit."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app, self.limit = app, limit
@@ -31,7 +31,7 @@ class BodyLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or (
                 (scope["method"] == "PUT" and scope["path"].endswith("/files"))
-                or (scope["method"] == "POST" and scope["path"] == "/v1/images")):
+                or (scope["method"] == "POST" and scope["path"] in ("/v1/images", "/files"))):
             await self.app(scope, receive, send)
             return
         message = (f"request body larger than {self.limit} bytes; send big files with "
