@@ -91,6 +91,26 @@ def test_the_page_refuses_without_the_key(daemon: ServedDaemon, browser) -> None
     _wait(browser, lambda d: d.find_elements(By.ID, "families"), "the tree after the form")
 
 
+def test_the_cookie_opens_only_what_the_page_uses(daemon: ServedDaemon) -> None:
+    """The page's cookie is no API key: not for the rest of the API (the port proxy above
+    all, whose pages would share the daemon's origin), and not for a write without the
+    page's own header (a cross-site form cannot send one)."""
+    page = httpx.Client(base_url=daemon.url, cookies={"branchbox_key": KEY}, timeout=60)
+    with page, Sandbox(url=daemon.url, api_key=KEY) as sb, sb.fork(1)[0] as child:
+        with page.stream("GET", "/v1/events") as events:
+            assert events.status_code == 200
+        assert page.get("/ui/stats").json()["sandboxes"][sb.id][0] == "ready"
+        diff = f"/v1/sandboxes/{sb.id}/diff"
+        assert page.post(diff, json={"other": child.id}).status_code == 401
+        ui = {"X-Branchbox-UI": "1"}
+        assert page.post(diff, json={"other": child.id}, headers=ui).status_code == 200
+        for method, path in (("GET", "/v1/sandboxes"), ("GET", f"/v1/sandboxes/{sb.id}"),
+                             ("GET", f"/v1/sandboxes/{sb.id}/ports/8000/"),
+                             ("POST", f"/v1/sandboxes/{sb.id}/fork")):
+            reply = page.request(method, path, headers=ui, json={})
+            assert reply.status_code == 401, (method, path, reply.text)
+
+
 def test_a_fork_merge_round_shows_live(daemon: ServedDaemon, browser, tmp_path: Path) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
