@@ -175,3 +175,25 @@ def test_a_fork_merge_round_shows_live(daemon: ServedDaemon, browser, tmp_path: 
     assert not errors, errors
     assert all((tmp_path / name).stat().st_size > 0
                for name in ("1-forked.png", "2-merged.png", "3-diff.png"))
+
+
+def test_the_page_keeps_a_bounded_number_of_greyed_nodes(daemon: ServedDaemon, browser) -> None:
+    """A page left open while agents fork and close thousands of sandboxes keeps the
+    newest 2,000 greyed nodes (and any with children under them), not all: events in the
+    stream's own shape, fed to the page's script as its EventSource would."""
+    browser.get(f"{daemon.url}/ui?key={KEY}")
+    browser.execute_script("""
+        for (let i = 0; i < 2100; i++) {
+          const id = "sbx_" + String(i).padStart(32, "0");
+          enqueue({id: 2 * i + 1, type: "create", ts: Date.now() / 1000, sandbox: id,
+                   parent: null, family: id});
+          enqueue({id: 2 * i + 2, type: "close", ts: Date.now() / 1000, sandbox: id,
+                   parent: null, family: id});
+        }""")
+    count = "return document.querySelectorAll('section.family li.node.retired').length"
+    _wait(browser, lambda d: d.execute_script(count) == 2000, "2,000 greyed nodes")
+    oldest = "return document.querySelector('li.node.retired').dataset.id"
+    assert browser.execute_script(oldest) == "sbx_" + "100".zfill(32)
+    assert browser.execute_script("return document.querySelectorAll('section.family').length") \
+        == 2000
+

@@ -16,9 +16,11 @@ const AGES_MS = 1000;
 const STATS_SOON_MS = 300; // after a fork or a create: new nodes get their use soon
 const RUNS_KEPT = 5;
 const DIFF_SHOWN = 500;
+const RETIRED_KEPT = 2000; // greyed nodes a page keeps; beyond, the oldest leaves go
 
 const nodes = new Map(); // id -> {li, kids, parts: {state, age, cpu, mem, badges}, ...}
 const runs = new Map(); // id -> recent exec events, oldest first
+const retiredOrder = []; // ids of greyed nodes, oldest first
 const queue = [];
 let selected = []; // at most two ids, the last clicked last
 let scheduled = false;
@@ -49,6 +51,7 @@ function adopt(li) {
     },
   };
   nodes.set(li.dataset.id, node);
+  if (li.classList.contains("retired")) retiredOrder.push(li.dataset.id);
   return node;
 }
 
@@ -91,6 +94,29 @@ function setState(node, state) {
   setText(node.parts.state, state);
 }
 
+// A node that is no longer a sandbox (closed, or merged into its parent): greyed, and
+// kept until RETIRED_KEPT newer ones are; one with children shown under it stays.
+function retire(node, state) {
+  setState(node, state);
+  if (node.li.classList.contains("retired")) return;
+  node.li.classList.add("retired");
+  retiredOrder.push(node.li.dataset.id);
+  for (let i = 0; retiredOrder.length > RETIRED_KEPT && i < retiredOrder.length;) {
+    const old = nodes.get(retiredOrder[i]);
+    if (old && old.kids.children.length) {
+      i++;
+      continue;
+    }
+    retiredOrder.splice(i, 1);
+    if (!old) continue;
+    const section = old.li.closest("section.family");
+    old.li.remove();
+    nodes.delete(old.li.dataset.id);
+    runs.delete(old.li.dataset.id);
+    if (section && !section.querySelector("li.node")) section.remove();
+  }
+}
+
 function badge(node, cls, text) {
   node.parts.badges.append(el("span", `badge ${cls}`, text));
 }
@@ -119,18 +145,14 @@ function apply(ev) {
         badge(node, "merged", `merged ← ${short(ev.winner)}`);
       }
       if (winner) {
-        winner.li.classList.add("retired");
-        setState(winner, "merged");
         badge(winner, "winner", `won → ${short(ev.sandbox)}`);
+        retire(winner, "merged");
       }
       if (node) setState(node, "ready");
       break;
     }
     case "close":
-      if (node) {
-        node.li.classList.add("retired");
-        setState(node, "closed");
-      }
+      if (node) retire(node, "closed");
       break;
     case "gone":
       if (node) setState(node, "gone");
