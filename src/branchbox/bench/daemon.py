@@ -8,6 +8,7 @@ unix socket) is part of every number.
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -30,16 +31,31 @@ class Daemon:
     """``branchbox serve`` on a temporary data directory, stopped (and the directory
     removed) on exit."""
 
-    def __init__(self) -> None:
+    def __init__(self, api_key: str | None = None) -> None:
+        """With ``api_key``, on a free loopback TCP port with that key (for clients that
+        speak only TCP, such as E2B's SDKs); else on the data directory's unix socket."""
         self.data_dir = Path(tempfile.mkdtemp(prefix="branchbox-bench-"))
         self.log_path = self.data_dir / "daemon.log"
+        self.api_key = api_key
+        self.port: int | None = None
         self.url = f"unix://{socket_path(self.data_dir)}"
+        if api_key is not None:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                self.port = probe.getsockname()[1]
+            self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> Daemon:
+        command = [sys.executable, "-m", "branchbox", "serve", "--data-dir", str(self.data_dir)]
+        env = dict(os.environ)
+        if self.port is not None:
+            command += ["--host", "127.0.0.1", "--port", str(self.port)]
+            env["BRANCHBOX_API_KEY"] = str(self.api_key)
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "branchbox", "serve", "--data-dir", str(self.data_dir)],
+                command,
+                env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -56,9 +72,10 @@ class Daemon:
         """The socket file exists before the engine has started; only healthz tells.
         A plain socket: httpx leaks one when a unix socket refuses the connection."""
         try:
-            with socket.socket(socket.AF_UNIX) as sock:
+            tcp = self.port is not None
+            with socket.socket(socket.AF_INET if tcp else socket.AF_UNIX) as sock:
                 sock.settimeout(5)
-                sock.connect(str(socket_path(self.data_dir)))
+                sock.connect(("127.0.0.1", self.port) if tcp else str(socket_path(self.data_dir)))
                 sock.sendall(b"GET /v1/healthz HTTP/1.0\r\nHost: branchbox\r\n\r\n")
                 return sock.recv(64).split(b" ")[1:2] == [b"200"]
         except OSError:
