@@ -129,6 +129,18 @@ def test_a_failing_step_shows_its_output_and_leaves_no_image(harness, context) -
     remove(harness, "fails")
 
 
+def test_env_variables_expand_in_workdir_and_copy(harness, make, context) -> None:
+    spec = ("FROM default\nENV APP=/srv/app\nENV DATA=${APP}/data\nWORKDIR $APP\n"
+            "COPY greeting.txt $DATA/\nRUN echo '$APP stays for the shell:' $APP > run.txt\n")
+    build(harness, "expanded", spec, context)
+    sb = make(image="expanded")
+    done = sb.exec("pwd; cat data/greeting.txt run.txt; echo $DATA")
+    assert done.stdout.splitlines() == ["/srv/app", "hi from the context",
+                                        "$APP stays for the shell: /srv/app", "/srv/app/data"]
+    sb.close()
+    remove(harness, "expanded")
+
+
 def test_from_a_debian_suite(harness, make) -> None:
     # Debootstrapped from the host's apt sources on first use (minbase and python3), cached.
     build(harness, "bare-bookworm", "FROM bookworm\nRUN echo 'ID=bare' > /etc/bare\n")
@@ -291,6 +303,9 @@ def test_spec_parsing() -> None:
     exec_form = image_spec.parse('from default\nrun ["echo", "a b"]\n').steps[0]
     assert exec_form.args == ("echo", "a b")
     assert image_spec.workdir("/app", "sub/../other") == "/app/other"
+    assert image_spec.expand(r"$A/${B}x/\$C/$UNSET.", {"A": "1", "B": "2"}) == "1/2x/$C/."
+    env_step = image_spec.parse("FROM a\nENV X=$Y/z W=${Y}\n").steps[0]
+    assert image_spec.expanded(env_step, {"Y": "/y"}).args == ("X=/y/z", "W=/y")
     for bad, message in [("FROM a\nFROM b\n", "only one FROM"),
                          ("FROM a\nENV 1X=2\n", "not a variable name"),
                          ("FROM a\nCOPY --chown=1 a b\n", "not supported"),

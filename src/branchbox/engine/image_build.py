@@ -122,7 +122,8 @@ async def _build(engine, name: str, spec: image_spec.Spec, context: Context,
         state = await _from_step(engine, *base)
         keys.append(state["key"])
         building[state["key"]] += 1
-        for index, step in enumerate(spec.steps, 2):
+        for index, written in enumerate(spec.steps, 2):
+            step = image_spec.expanded(written, state["env"])  # the key keeps the text
             digest = ""
             chosen: list = []
             if step.kind == "COPY":

@@ -6,7 +6,8 @@ as in a Dockerfile; instructions are case-insensitive. ``RUN`` takes a shell lin
 (run by ``/bin/sh -c``) or an exec form (a JSON list); ``ENV`` takes ``KEY=VALUE``
 pairs (quoted values allowed) or ``KEY VALUE``; ``COPY`` takes sources relative to
 the build context (globs allowed) and a destination, absolute or relative to the
-``WORKDIR``. Anything else is a SpecError naming the line, before anything runs.
+``WORKDIR``; ENV, WORKDIR and COPY expand ``$NAME`` / ``${NAME}`` from earlier ENVs.
+Anything else is a SpecError naming the line, before anything runs.
 """
 
 from __future__ import annotations
@@ -153,6 +154,32 @@ def _env(rest: str, where: str) -> list[tuple[str, str]]:
         if not _ENV_KEY.match(key):
             raise SpecError(f"{where}: {key!r} is not a variable name")
     return pairs
+
+
+_VAR = re.compile(r"\\\$|\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+
+
+def expand(word: str, env: dict[str, str]) -> str:
+    """``$NAME`` and ``${NAME}`` in ``word`` replaced by ``env``'s values (empty when unset),
+    ``\\$`` kept as a literal ``$``: what a Dockerfile does in ENV, WORKDIR and COPY."""
+    def value(match: re.Match[str]) -> str:
+        if match[0] == "\\$":
+            return "$"
+        return env.get(match[1] or match[2], "")
+
+    return _VAR.sub(value, word)
+
+
+def expanded(step: Step, env: dict[str, str]) -> Step:
+    """``step`` with the variables of ``env`` (set by earlier steps) expanded in its
+    arguments, for ENV (values), WORKDIR and COPY; RUN is left to its shell."""
+    if step.kind == "ENV":
+        args = tuple(k + "=" + expand(v, env) for k, v in (a.split("=", 1) for a in step.args))
+    elif step.kind in ("WORKDIR", "COPY"):
+        args = tuple(expand(a, env) for a in step.args)
+    else:
+        return step
+    return Step(step.kind, args, step.text, step.line)
 
 
 def workdir(current: str, arg: str) -> str:
