@@ -169,10 +169,18 @@ async def process_list(engine: Engine, sandbox_id: str, _: dict) -> dict:
     processes = []
     for command in (await engine.call(sandbox_id, "ps"))["commands"]:
         if command["running"]:
-            argv = shlex.split(command["cmd"])
+            argv = _argv(command["cmd"])
             processes.append({"pid": command["pid"],
                               "config": {"cmd": argv[0] if argv else "", "args": argv[1:]}})
     return {"processes": processes}
+
+
+def _argv(display: str) -> list[str]:
+    """A command's argv from its display form (a shell command line is bash's)."""
+    try:
+        return shlex.split(display)
+    except ValueError:  # not shlex.join's output: a command line for bash
+        return ["/bin/bash", "-c", display]
 
 
 @_unary("/process.Process/SendInput")
@@ -210,14 +218,23 @@ async def process_send_signal(engine: Engine, sandbox_id: str, message: dict) ->
 
 # ------------------------------------------------------------------------ filesystem
 def _entry(entry: dict) -> dict:
-    """Our agent's entry as E2B's EntryInfo."""
-    kind = {"file": stat.S_IFREG, "dir": stat.S_IFDIR, "symlink": stat.S_IFLNK}.get(
-        entry["type"], 0)
-    return {"name": entry["name"], "type": _FILE_TYPES.get(entry["type"], "FILE_TYPE_UNSPECIFIED"),
-            "path": entry["path"], "size": str(entry["size"]), "mode": entry["mode"],
-            "permissions": stat.filemode(kind | entry["mode"]),
-            "modifiedTime": datetime.fromtimestamp(entry["mtime"], UTC).isoformat()
-            .replace("+00:00", "Z")}
+    """Our agent's entry as E2B's EntryInfo. The agent runs in the sandbox: an answer
+    that is not an entry is an error, not a crash."""
+    try:
+        kind = {"file": stat.S_IFREG, "dir": stat.S_IFDIR, "symlink": stat.S_IFLNK}.get(
+            entry["type"], 0)
+        mode = int(entry["mode"]) & 0o7777
+        info = {"name": str(entry["name"]), "path": str(entry["path"]),
+                "type": _FILE_TYPES.get(entry["type"], "FILE_TYPE_UNSPECIFIED"),
+                "size": str(int(entry["size"])), "mode": mode,
+                "permissions": stat.filemode(kind | mode)}
+        mtime = float(entry["mtime"])
+    except (KeyError, TypeError, ValueError):
+        raise RpcError("internal", "the sandbox's agent answered a malformed entry") from None
+    with contextlib.suppress(OverflowError, ValueError, OSError):  # a time no clock shows
+        info["modifiedTime"] = datetime.fromtimestamp(mtime, UTC).isoformat().replace(
+            "+00:00", "Z")
+    return info
 
 
 @_unary("/filesystem.Filesystem/Stat")

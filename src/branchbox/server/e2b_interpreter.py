@@ -57,7 +57,15 @@ def _python_only(language: str | None) -> None:
 
 
 def _lines(header: dict) -> list[dict]:
-    """One agent event of a ``run_code`` as E2B's lines."""
+    """One agent event of a ``run_code`` as E2B's lines (the agent runs in the sandbox: an
+    event that is not what it should be becomes an error line, not a crash)."""
+    try:
+        return _translated(header)
+    except (KeyError, TypeError, AttributeError):
+        return _failed("the sandbox's agent answered a malformed result", "SandboxError", 500)
+
+
+def _translated(header: dict) -> list[dict]:
     kind = header.get("ev")
     if kind in ("stdout", "stderr"):
         return [{"type": kind, "text": header.get("data", ""), "timestamp": time.time_ns()}]
