@@ -63,7 +63,13 @@ def host_files() -> Iterator[dict[str, Path]]:
         "owned": make(home / f".bb-test-owned-{tag}", "owned by 1234\n", 0o644),
     }
     os.chown(files["owned"], 1234, 2345)
+    # A home of its own holding every home entry of the default deny list.
+    other_home = Path("/home") / f"bb-test-{tag}"
+    for entry in host_mask.DEFAULT_DENY:
+        if entry.startswith("~/"):
+            files[entry] = make(other_home / entry[2:], "secret\n")
     yield files
+    shutil.rmtree(other_home, ignore_errors=True)
     for path in made:
         path.unlink(missing_ok=True)
     shutil.rmtree(files["tool"].parent.parent, ignore_errors=True)
@@ -108,6 +114,7 @@ def test_host_files_keep_their_owners(host_sandbox, host_files) -> None:
 
 def test_secrets_and_host_state_are_masked(host_harness, host_sandbox, host_files) -> None:
     paths = ["/etc/shadow", "/etc/gshadow", "/etc/ssl/private", "/root/.ssh",
+             *(str(path) for key, path in host_files.items() if key.startswith("~/")),
              str(host_files["netrc"]),
              str(host_files["aws"]), str(host_files["history"]), str(host_files["operator"]),
              str(host_files["operator_home"]), str(host_harness.data_dir),
