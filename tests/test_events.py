@@ -134,8 +134,9 @@ def test_resume_after_an_id_and_from_last_event_id(daemon: ServedDaemon) -> None
         sb.exec("echo hi")
     with daemon.client(KEY) as http:
         assert http.get("/v1/events", params={"since": "x"}).status_code == 400
-        bad = http.get("/v1/events", headers={"Last-Event-ID": "not-an-id"})
-        assert bad.status_code == 400 and "Last-Event-ID" in bad.json()["error"]
+        for bad_id in (b"not-an-id", b"\xb2", b"1" * 19):  # "\xb2" is "²", a str.isdigit
+            bad = http.get("/v1/events", headers={"Last-Event-ID": bad_id})
+            assert bad.status_code == 400 and "Last-Event-ID" in bad.json()["error"]
     # Everything held, then from the middle: the same events, in the same order.
     with Listener(daemon, "/v1/events?since=0") as everything:
         held = everything.until(_is("close", sb.id))

@@ -54,7 +54,7 @@ async def events(
 ) -> StreamingResponse:
     """The lifecycle events of every sandbox, live, resumable from a bounded history."""
     if last_event_id is not None:  # a reconnect: newer than the ``since`` of its URL
-        if not last_event_id.isdigit() or len(last_event_id) > 18:
+        if not (last_event_id.isascii() and last_event_id.isdigit()) or len(last_event_id) > 18:
             raise errors.InvalidRequest("Last-Event-ID must be an event id (a number)")
         since = int(last_event_id)
     return StreamingResponse(_stream(engine.events, since, _stopping(request)), media_type=SSE,
