@@ -21,6 +21,7 @@ trims the free space when the image holds much more than btrfs uses.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -105,14 +106,23 @@ class HostDiskGuard:
     def fit(self) -> int:
         """Resize the store to what the host can back now; return its size.
 
-        Raises OSError(ENOSPC) when the store cannot shrink enough: it holds more than
-        the host could back (then writes that need new host blocks would abort it).
+        Raises OSError(ENOSPC) when the store cannot shrink enough (it holds more than
+        the host could back) or the host has room for less than MIN_STORE_SIZE: then
+        writes that need new host blocks could abort it.
         """
         size = os.stat(self.image).st_size
-        target = max(MIN_STORE_SIZE, fitting_size(self.image, self.max_size))
-        if target < size:
+        fitting = fitting_size(self.image, self.max_size)
+        target = max(MIN_STORE_SIZE, fitting)
+        # Not for every MiB another user of the host writes (each resize is a btrfs
+        # transaction): a deficit of a quarter of the reserve leaves the rest of it free.
+        if target < size - host_reserve(self.image.parent) // 4:
             self._shrink(size, target)
-            return target
+            size = target
+        if fitting < MIN_STORE_SIZE:
+            raise OSError(errno.ENOSPC, (
+                f"the host disk under {self.image} is nearly full: room for "
+                f"{fitting >> 20} MiB of store, less than the {MIN_STORE_SIZE >> 20} MiB "
+                "minimum; free space on it"), os.fspath(self.image))
         if target - size >= GROW_STEP:
             self._grow(size, target)
             return target
