@@ -140,6 +140,11 @@ def test_a_fork_merge_round_shows_live(daemon: ServedDaemon, browser, tmp_path: 
         winner_card = _node(browser, children[0].id).find_element(By.CSS_SELECTOR, ".card")
         assert "won" in winner_card.text and "merged" in winner_card.text
         browser.save_screenshot(str(tmp_path / "2-merged.png"))
+        (again,) = parent.fork(1)  # a second merge into the same parent: one badge, counted
+        parent.merge_into(again)
+        _wait(browser, lambda d: "(2 merges)" in _node(d, parent.id).text, "a second merge")
+        assert len(_node(browser, parent.id).find_elements(By.CSS_SELECTOR,
+                                                           ":scope > .card .merged")) == 1
 
         children[2].close()
         _wait(browser, lambda d: "closed" in _node(d, children[2].id).text, "a closed branch")
@@ -163,8 +168,8 @@ def test_a_fork_merge_round_shows_live(daemon: ServedDaemon, browser, tmp_path: 
         browser.refresh()
         _wait(browser, lambda d: d.find_element(By.ID, "status").text == "live",
               "the reloaded page")
-        assert len(_family_nodes(browser, parent.id)) == 4
-        for gone, state in ((children[0], "merged"), (children[2], "closed")):
+        assert len(_family_nodes(browser, parent.id)) == 5
+        for gone, state in ((children[0], "merged"), (again, "merged"), (children[2], "closed")):
             node = _node(browser, gone.id)
             assert "retired" in node.get_attribute("class") and state in node.text
             assert node.get_attribute("data-parent") == parent.id

@@ -16,6 +16,7 @@ const AGES_MS = 1000;
 const STATS_SOON_MS = 300; // after a fork or a create: new nodes get their use soon
 const RUNS_KEPT = 5;
 const DIFF_SHOWN = 500;
+const HIDDEN_FLUSH_MS = 1000;
 const RETIRED_KEPT = 2000; // greyed nodes a page keeps; beyond, the oldest leaves go
 
 const nodes = new Map(); // id -> {li, kids, parts: {state, age, cpu, mem, badges}, ...}
@@ -117,8 +118,12 @@ function retire(node, state) {
   }
 }
 
+// One badge of each kind per node, showing the latest: a parent merged into a thousand
+// times has one "merged" badge, not a thousand.
 function badge(node, cls, text) {
-  node.parts.badges.append(el("span", `badge ${cls}`, text));
+  const old = node.parts.badges.querySelector(`.badge.${cls}`);
+  if (old) setText(old, text);
+  else node.parts.badges.append(el("span", `badge ${cls}`, text));
 }
 
 const short = (id) => (id || "").slice(0, 12);
@@ -142,7 +147,9 @@ function apply(ev) {
           kid.dataset.parent = ev.sandbox;
           node.kids.append(kid);
         }
-        badge(node, "merged", `merged ← ${short(ev.winner)}`);
+        node.merges = (node.merges || 0) + 1;
+        const times = node.merges > 1 ? ` (${node.merges} merges)` : "";
+        badge(node, "merged", `merged ← ${short(ev.winner)}${times}`);
       }
       if (winner) {
         badge(winner, "winner", `won → ${short(ev.sandbox)}`);
@@ -187,11 +194,14 @@ function flush() {
   setText($("#counts"), `${nodes.size} nodes`);
 }
 
+// Applied once per frame; a hidden tab gets no frames, so there a timer drains the queue
+// (which would otherwise grow for as long as the tab stays hidden).
 function enqueue(ev) {
   queue.push(ev);
   if (!scheduled) {
     scheduled = true;
-    requestAnimationFrame(flush);
+    if (document.hidden) setTimeout(flush, HIDDEN_FLUSH_MS);
+    else requestAnimationFrame(flush);
   }
 }
 
