@@ -69,7 +69,9 @@ def e2b_error(status: int, message: str) -> JSONResponse:
                         status_code=status)
 
 
-router = APIRouter(tags=["e2b"], route_class=E2BRoute)
+# E2B's routes are E2B's API, described by E2B's own specification, not by our OpenAPI
+# document (whose property checks expect our error shape and our authentication).
+router = APIRouter(tags=["e2b"], route_class=E2BRoute, include_in_schema=False)
 
 
 class E2BBody(BaseModel):
