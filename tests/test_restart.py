@@ -6,6 +6,7 @@ files. Against real ``branchbox serve`` processes on one data directory."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import time
@@ -35,6 +36,19 @@ def kill_hard(daemon: ServedDaemon, group: str) -> None:
     while family_pids(group):
         assert time.monotonic() < deadline, "the sandboxes' processes would not die"
         time.sleep(0.05)
+
+
+def started_events(daemon: ServedDaemon, last: str) -> list[str]:
+    """The sandboxes of the daemon's ``start`` events (GET /v1/events), up to ``last``'s."""
+    started = []
+    with daemon.client(KEY) as http, http.stream("GET", "/v1/events?since=0") as stream:
+        for line in stream.iter_lines():
+            event = json.loads(line.removeprefix("data: ")) if line.startswith("data: ") else {}
+            if event.get("type") == "start":
+                started.append(event["sandbox"])
+                if event["sandbox"] == last:
+                    return started
+    raise AssertionError(f"the event stream ended before {last} started")
 
 
 def stop_last(first: ServedDaemon, second: ServedDaemon | None, env: dict[str, str]) -> None:
@@ -88,6 +102,7 @@ def test_sandboxes_come_back_stopped_with_their_files() -> None:
         assert sb.checkpoints() == []  # checkpoints were memory
 
         kid = Sandbox.connect(kid.id, url=second.url, api_key=KEY).start()
+        assert started_events(second, kid.id) == [sb.id, kid.id]  # the fork tree page sees them
         assert kid.files.read("/root/kid.txt") == b"kid's"
         assert kid.files.read("/root/kept.txt") == b"kept"  # from its parent's layer
         assert sb.start().info()["state"] == "ready"  # a no-op on a running sandbox

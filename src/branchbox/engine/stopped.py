@@ -169,6 +169,7 @@ class StoppedSandboxes:
             sb.record = st.record
             self.net.apply([sb.body.key], meta.get("network") or self.net.policy_of(None, None))
             self._adopt(sb, meta.get("timeout"))
+            self.events.publish("start", sb.record, image=sb.record.image)
         return self.info(sandbox_id)
 
     async def _close_stopped(self, sandbox_id: str) -> bool:

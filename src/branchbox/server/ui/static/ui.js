@@ -133,6 +133,7 @@ function apply(ev) {
   const node = nodes.get(ev.sandbox);
   switch (ev.type) {
     case "create":
+    case "start": // a stopped sandbox running again, same id
       addNode(ev.sandbox, ev.parent, ev.family, ev.ts, "ready");
       break;
     case "fork":
