@@ -128,6 +128,15 @@ def test_checkpoint_restore_and_forks_of_a_checkpoint(daemon: ServedDaemon) -> N
     assert fork["checkpoint"] == cp.id
 
 
+def test_pause_and_resume(daemon: ServedDaemon) -> None:
+    with Listener(daemon) as listener:
+        with Sandbox(url=daemon.url, api_key=KEY) as sb:
+            sb.pause()
+            sb.resume()
+        assert [e["type"] for e in listener.family(sb.id)] == [
+            "create", "pause", "resume", "close"]
+
+
 def test_resume_after_an_id_and_from_last_event_id(daemon: ServedDaemon) -> None:
     with Sandbox(url=daemon.url, api_key=KEY) as sb:
         sb.run_code("1 + 1")

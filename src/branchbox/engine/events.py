@@ -1,9 +1,10 @@
 """The daemon's lifecycle event bus: what ``GET /v1/events`` and the ``/ui`` page watch.
 
 The engine publishes one event per create, start (of a stopped sandbox), fork
-(of a sandbox or of a checkpoint), merge, close, REPL death (``gone``), run
-(``exec``: ``run_code`` and commands), workspace commit, checkpoint and restore: one
-``self.events.publish(kind, record, ...)`` line where each completes.
+(of a sandbox or of a checkpoint), merge, close, REPL death (``gone``), pause,
+resume, run (``exec``: ``run_code`` and commands), workspace commit, checkpoint
+and restore: one ``self.events.publish(kind, record, ...)`` line where each
+completes.
 
 Every event is a small JSON-able dict: ``id`` (rising by one per event, per
 daemon), ``type``, ``ts`` (epoch seconds), ``sandbox``, ``parent``, ``family``

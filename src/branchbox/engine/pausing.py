@@ -45,6 +45,7 @@ class Pausing:
                 self._stop_clock(sb)
                 sb.record.state = PAUSED
                 self.records.put(sb.record)
+                self.events.publish("pause", sb.record)
         finally:
             self._unlock(sb)
         return self.info(sandbox_id)
@@ -57,6 +58,7 @@ class Pausing:
             sb.record.state = "ready"
             self._start_clock(sb)
             self.records.put(sb.record)
+            self.events.publish("resume", sb.record)
         return self.info(sandbox_id)
 
     @staticmethod

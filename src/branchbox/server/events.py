@@ -29,8 +29,8 @@ KEEPALIVE = 15  # seconds of silence before a comment line
 
 _DESCRIPTION = (
     "Server-sent events, one per lifecycle step: ``id: N`` and ``data: {JSON}`` with "
-    "``id``, ``type`` (create | start | fork | merge | close | gone | exec | commit | "
-    "checkpoint | restore | lost), ``ts``, ``sandbox``, ``parent``, ``family`` and the "
+    "``id``, ``type`` (create | start | fork | merge | close | gone | pause | resume | exec | "
+    "commit | checkpoint | restore | lost), ``ts``, ``sandbox``, ``parent``, ``family`` and the "
     "type's fields: create and start (a stopped sandbox running again) ``image``; "
     "fork ``children`` and ``took`` (or ``checkpoint``: forked from that checkpoint); "
     "merge ``winner`` (the child whose state the sandbox now has; its id is retired); "

@@ -163,7 +163,9 @@ function apply(ev) {
       if (node) retire(node, "closed");
       break;
     case "gone":
-      if (node) setState(node, "gone");
+    case "pause":
+    case "resume":
+      if (node) setState(node, { gone: "gone", pause: "paused", resume: "ready" }[ev.type]);
       break;
     case "checkpoint":
     case "restore":
