@@ -7,9 +7,8 @@ rich representations come back in the result.
 
 Output: during a call ``sys.stdout``/``sys.stderr`` are writers that send what
 user code writes as events, line by line. Output written to fds 1 and 2
-directly (os.write, subprocesses, C code) goes to memory files and is sent
-when the call ends: with one thread nobody could drain a pipe while user code
-runs, and a full pipe would deadlock the call. The two kinds of output are
+directly (os.write, subprocesses, C code) is captured up to the output limit
+(see ``capture``) and sent when the call ends. The two kinds of output are
 therefore not interleaved in time.
 
 Contexts: besides the main namespace, named ones (E2B's code contexts) each hold
@@ -32,7 +31,6 @@ import base64
 import builtins
 import codecs
 import contextlib
-import ctypes
 import io
 import json
 import linecache
@@ -47,6 +45,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from .capture import FdCapture
 from .forking import take_warning as take_fork_warning
 from .server import Agent, OutputLimit, RequestError, output_limit, param, timeout_param
 
@@ -70,10 +69,6 @@ _RICH = (
 _CANARY = "_branchbox_canary_method_should_not_exist_"
 # The `from __future__` imports that still change anything, kept in force across cells.
 _FUTURE_FLAGS = __future__.annotations.compiler_flag | __future__.barry_as_FLUFL.compiler_flag
-
-_libc_fflush = ctypes.CDLL(None).fflush
-_libc_fflush.argtypes = [ctypes.c_void_p]
-
 
 class _Call:
     """One run_code request in progress."""
@@ -156,53 +151,10 @@ class _Writer(io.TextIOBase):
         self.flush()
 
 
-class _FdCapture:
-    """Fds 1 and 2 pointed at fresh memory files for the duration of one call.
-
-    Fresh for every call, so a fork child never shares one with its parent.
-    """
-
-    def __init__(self) -> None:
-        _flush_stdio()  # what was written before the call is not the call's output
-        self._saved: list[int] = []
-        self.files: list[int] = []
-        for fd in (1, 2):
-            self._saved.append(os.dup(fd))
-            self.files.append(os.memfd_create(f"branchbox-fd{fd}", os.MFD_CLOEXEC))
-            os.dup2(self.files[-1], fd)
-
-    def restore(self) -> None:
-        """Point fds 1 and 2 back where they were (idempotent)."""
-        if not self._saved:
-            return
-        _flush_stdio()
-        for fd, saved in zip((1, 2), self._saved, strict=True):
-            os.dup2(saved, fd)
-            os.close(saved)
-        self._saved = []
-
-    def close(self) -> None:
-        self.restore()
-        for mem in self.files:
-            os.close(mem)
-        self.files = []
-
-
 def _stdin() -> io.TextIOWrapper:
     """A ``sys.stdin`` whose close() (exit() and quit() call it) leaves fd 0 open: a freed
     fd 0 would be handed to the next file opened, and commands would read from that."""
     return open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 - it is sys.stdin
-
-
-def _flush_stdio() -> None:
-    """Push what Python's and C's stdio buffers hold for fds 1 and 2 into those fds now."""
-    for stream in (sys.__stdout__, sys.__stderr__):
-        if stream is not None and not stream.closed:
-            # The original stdout may be a pipe nobody reads any more; that is no reason
-            # to fail the user's call.
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
-    _libc_fflush(None)
 
 
 def _fresh_namespace() -> dict[str, Any]:
@@ -266,7 +218,7 @@ class Repl:
         if sys.stdin is None or sys.stdin.closed:
             sys.stdin = _stdin()  # exit() closed it
         saved = sys.stdout, sys.stderr
-        capture = _FdCapture()
+        capture = FdCapture(agent, call.limit.remaining)
         sys.stdout, sys.stderr = self.stdout, self.stderr
         self.call = call
         home = os.getcwd() if context and context.cwd else None
@@ -281,7 +233,7 @@ class Repl:
             self.stdout.flush()
             self.stderr.flush()
             capture.restore()
-            self._send_captured(capture.files)
+            self._send_captured(capture)
         finally:
             capture.close()
             sys.stdout, sys.stderr = saved
@@ -358,9 +310,10 @@ class Repl:
         for start in range(0, len(text), _PIECE):
             self.agent.event(rid, name, data=text[start : start + _PIECE])
 
-    def _send_captured(self, files: list[int]) -> None:
+    def _send_captured(self, capture: FdCapture) -> None:
         assert self.call is not None
-        for name, mem in zip(("stdout", "stderr"), files, strict=True):
+        self.call.limit.dropped += capture.dropped  # cut by the capture already
+        for name, mem in zip(("stdout", "stderr"), capture.files, strict=True):
             keep = self.call.limit.reserve(os.fstat(mem).st_size)
             decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
             offset = 0

@@ -1,0 +1,160 @@
+"""Fds 1 and 2 of the REPL during one ``run_code``: kept up to the output limit, no more.
+
+Output written to the file descriptors directly (os.write, subprocesses, C
+code) cannot go through the REPL's event writers. It used to go into memory
+files, which hold all of it: 1 GB written by a subprocess was 1 GB of the
+sandbox's memory (and an OOM kill under a memory limit) for output that is cut
+at the limit anyway. Now fds 1 and 2 are pipes for the call, and a thread that
+lives only as long as the call keeps each one's first ``keep`` bytes in a
+memory file and counts the rest as dropped. A pipe never fills for good, so a
+writer never blocks on it (with one thread nobody could drain a pipe while user
+code runs; this thread does).
+
+The thread exists only during a call: the REPL is single-threaded whenever the
+daemon forks it. After the call the REPL's fds point back where they were; a
+process the call started that still holds a pipe (a server in the background)
+keeps writing into it, and what it writes is read and dropped until the last
+writer closes it: by the agent's loop between calls, and by the next call's
+thread during that call (the loop does not run then).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import os
+import select
+import sys
+import threading
+
+from .server import Agent
+
+_libc_fflush = ctypes.CDLL(None).fflush
+_libc_fflush.argtypes = [ctypes.c_void_p]
+
+_F_SETPIPE_SZ = 1031
+_PIPE_SIZE = 1 << 20  # fewer wake-ups for a fast writer (best effort: the system may cap it)
+_READ = 1 << 16
+_FINAL_DRAIN = 4 << 20  # bytes read after the call ends before its writers are left alone
+
+_leftovers: list[int] = []
+"""Read ends of earlier calls' pipes that a process still writes into (dropped data)."""
+
+
+def flush_stdio() -> None:
+    """Push what Python's and C's stdio buffers hold for fds 1 and 2 into those fds now."""
+    for stream in (sys.__stdout__, sys.__stderr__):
+        if stream is not None and not stream.closed:
+            # The original stdout may be a pipe nobody reads any more; that is no reason
+            # to fail the user's call.
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+    _libc_fflush(None)
+
+
+class FdCapture:
+    """Fds 1 and 2 pointed at pipes for one call; ``files`` (memory files) hold the first
+    ``keep`` bytes written to each, ``dropped`` counts the rest.
+
+    Fresh for every call, so a fork child never shares one with its parent.
+    """
+
+    def __init__(self, agent: Agent, keep: int) -> None:
+        flush_stdio()  # what was written before the call is not the call's output
+        self._agent = agent
+        self._keep = max(0, keep)
+        self._saved: list[int] = []
+        self._pipes: list[int] = []  # read ends, as the thread hands them back
+        self.files: list[int] = []
+        self.dropped = 0
+        for fd in (1, 2):
+            read, write = os.pipe2(os.O_CLOEXEC)
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(read, _F_SETPIPE_SZ, _PIPE_SIZE)
+            self._saved.append(os.dup(fd))
+            os.dup2(write, fd)  # inheritable, as fds 1 and 2 are
+            os.close(write)
+            self._pipes.append(read)
+            self.files.append(os.memfd_create(f"branchbox-fd{fd}", os.MFD_CLOEXEC))
+        for fd in _leftovers:  # this call's thread drains them while the loop waits
+            with contextlib.suppress(KeyError, ValueError):  # a fork child's new loop
+                agent.unwatch(fd)
+        self._stop_read, self._stop_write = os.pipe2(os.O_CLOEXEC)
+        self._thread = threading.Thread(target=self._drain, name="branchbox-fd-capture",
+                                        daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        """Until told to stop: read every pipe, keep what fits, drop the rest. Then read
+        what is already there (at most _FINAL_DRAIN bytes) and end."""
+        kept = dict.fromkeys(self._pipes, 0)
+        files = dict(zip(self._pipes, self.files, strict=True))
+        self._pipes += _leftovers
+        _leftovers.clear()
+        poller = select.poll()
+        for fd in (*self._pipes, self._stop_read):
+            poller.register(fd, select.POLLIN)
+        stopping, after = False, 0
+        while self._pipes:
+            ready = poller.poll(0 if stopping else None)
+            if stopping and (not ready or after > _FINAL_DRAIN):
+                return
+            for fd, _ in ready:
+                if fd == self._stop_read:
+                    stopping = True
+                    poller.unregister(fd)
+                    continue
+                data = os.read(fd, _READ)
+                if not data:  # every writer has closed it
+                    poller.unregister(fd)
+                    self._pipes.remove(fd)
+                    os.close(fd)
+                    continue
+                after += len(data) if stopping else 0
+                if fd not in kept:  # an earlier call's leftover writer: dropped
+                    continue
+                room = min(len(data), self._keep - kept[fd])
+                if room > 0:
+                    _write_all(files[fd], data[:room])
+                    kept[fd] += room
+                self.dropped += len(data) - room
+
+    def restore(self) -> None:
+        """Point fds 1 and 2 back where they were and collect what the pipes hold
+        (idempotent)."""
+        if not self._saved:
+            return
+        flush_stdio()
+        for fd, saved in zip((1, 2), self._saved, strict=True):
+            os.dup2(saved, fd)
+            os.close(saved)
+        self._saved = []
+        os.write(self._stop_write, b"x")
+        self._thread.join()
+        for fd in (self._stop_read, self._stop_write):
+            os.close(fd)
+        for fd in self._pipes:  # still held by a process a call started
+            self._agent.watch(fd, lambda fd=fd: _discard(self._agent, fd))
+        _leftovers.extend(self._pipes)
+        self._pipes = []
+
+    def close(self) -> None:
+        self.restore()
+        for mem in self.files:
+            os.close(mem)
+        self.files = []
+
+
+def _discard(agent: Agent, fd: int) -> None:
+    """Called by the agent's loop: drop what a call's leftover writer wrote."""
+    if not os.read(fd, _READ):  # the last writer is gone
+        agent.unwatch(fd)
+        _leftovers.remove(fd)
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]

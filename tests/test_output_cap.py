@@ -1,0 +1,40 @@
+"""Output written to fds 1 and 2 is cut at the output limit, not held (issue 16, finding 9).
+
+A subprocess of the REPL that writes a gigabyte used to fill a memory file of
+that size inside the sandbox: under a 256 MiB memory limit the REPL was killed.
+Now the call returns, with the first 16 MiB and a truncation marker, and what
+a leftover writer keeps writing after the call is dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from branchbox import Sandbox
+
+GIGABYTE = 1 << 30
+
+
+def test_a_gigabyte_from_a_subprocess_is_cut_at_the_limit(make: Callable[..., Sandbox]) -> None:
+    sb = make(memory_mb=256)
+    run = sb.run_code("import subprocess\n"
+                      f"subprocess.run('yes | head -c {GIGABYTE}', shell=True).returncode")
+    assert run.error is None, run.error
+    assert run.text == "0"
+    assert run.truncated
+    assert len(run.stdout) <= 16 << 20
+    assert run.stdout.startswith("y\ny\n")
+    assert "output truncated" in run.stderr
+    assert sb.run_code("40 + 2").text == "42"  # the REPL lives on, its fds are its own
+
+
+def test_a_writer_left_running_after_the_call_does_not_block_or_leak(
+        make: Callable[..., Sandbox]) -> None:
+    sb = make(memory_mb=256)
+    sb.run_code("import subprocess\n"
+                f"p = subprocess.Popen('yes | head -c {GIGABYTE}; echo end > /tmp/end', "
+                "shell=True)")
+    run = sb.run_code("p.wait(timeout=120)\nopen('/tmp/end').read()")
+    assert run.error is None, run.error
+    assert run.text == "'end\\n'"  # its output after the call was read and dropped
+    assert "y\n" not in run.stdout
