@@ -45,7 +45,7 @@ class EngineConfig:
     # a sandbox's lock without a bound).
     busy_wait: float = field(
         default_factory=lambda: float(os.environ.get("BRANCHBOX_BUSY_WAIT", "30")))
-    # The longest a fork may hold its parent frozen and locked before it is undone (504).
+    # The longest a fork may hold its parent frozen and locked before it is undone (408).
     fork_deadline: float = field(
         default_factory=lambda: float(os.environ.get("BRANCHBOX_FORK_DEADLINE", "60")))
     spawn_timeout: float = 60.0
