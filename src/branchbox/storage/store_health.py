@@ -56,8 +56,9 @@ def check(mountpoint: Path, image: Path) -> None:
     if found:
         raise StoreUnhealthy(
             f"the btrfs store in {image} (mounted at {mountpoint}) is unhealthy: "
-            f"{'; '.join(found)}. It holds only the writable layers of sandboxes, which "
-            "are lost with it. To start with a new store: stop every branchbox daemon of "
-            f"this data directory, make room on the host disk if it is full, run "
-            f"`umount {mountpoint}` (if it is still mounted) and `rm {image}`, then start "
-            "the daemon again; it creates a new store.")
+            f"{'; '.join(found)}. What it holds (sandboxes' files, saved images) cannot be "
+            "trusted; copy out what you need while it can still be mounted (read-only: "
+            f"`mount -o ro,loop {image} /mnt`). To start with a new store: stop every "
+            "branchbox daemon of this data directory, make room on the host disk if it is "
+            f"full, run `umount {mountpoint}` (if it is still mounted) and `rm {image}`, "
+            "then start the daemon again; it creates a new store.")
