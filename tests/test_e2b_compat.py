@@ -467,3 +467,64 @@ def test_sandbox_plane_by_host_and_token(daemon: ServedDaemon) -> None:
                                headers={"X-API-Key": API_KEY}).status_code == 204
         gone = http.delete(f"/sandboxes/{sandbox_id}", headers={"X-API-Key": API_KEY})
         assert gone.status_code == 404 and gone.json()["message"] == "sandbox not found"
+
+
+def test_bad_input_is_refused_never_a_server_error(daemon: ServedDaemon) -> None:
+    """Malformed requests to both planes: a 4xx with a JSON error (a Connect error for
+    RPCs, in-band for a stream), never a 5xx."""
+    key = {"X-API-Key": API_KEY}
+    with httpx.Client(base_url=daemon.url, timeout=120, headers=key) as http:
+        for method, path, body in (
+                ("POST", "/v2/sandboxes", "not json"),
+                ("POST", "/v2/sandboxes", {"templateID": "x" * 300}),
+                ("POST", "/v2/sandboxes", {"templateID": "base", "timeout": 0}),
+                ("POST", "/v2/sandboxes", {"templateID": "base", "envVars": {"A=B": "c"}}),
+                ("GET", "/v2/sandboxes?nextToken=%%%", None),
+                ("GET", "/v2/sandboxes?limit=0", None),
+                ("POST", f"/sandboxes/{MISSING}/timeout", {"timeout": 10}),
+                ("POST", f"/sandboxes/{MISSING}/fork", {"count": 2})):
+            reply = http.request(method, path, **_body(body))
+            assert 400 <= reply.status_code < 500 and reply.status_code != 401, (path, reply.text)
+            assert reply.json()["message"], (path, reply.text)
+        sandbox_id = http.post("/v2/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+        plane = {**key, "E2b-Sandbox-Id": sandbox_id}
+        try:
+            assert http.post(f"/sandboxes/{sandbox_id}/fork", json={"count": 1000}
+                             ).status_code == 400
+            for path, body in (
+                    ("/process.Process/SendInput", {"process": {"pid": "x"}}),
+                    ("/process.Process/SendInput", {"process": {"pid": 1},
+                                                    "input": {"stdin": "!!"}}),
+                    ("/process.Process/SendSignal", {"process": {"tag": "t"}}),
+                    ("/filesystem.Filesystem/ListDir", {"path": "/", "depth": 100}),
+                    ("/filesystem.Filesystem/Stat", {"path": "../etc"}),
+                    ("/filesystem.Filesystem/Stat", {"path": "/a\u0000b"}),
+                    ("/filesystem.Filesystem/Stat", [1, 2]),
+                    ("/filesystem.Filesystem/Stat", "{"),
+                    ("/filesystem.Filesystem/Stat", {"path": "/no/such/file"}),
+                    ("/execute", {"code": 5}),
+                    ("/execute", {"code": "1", "language": "r"}),
+                    ("/contexts", {"cwd": "/no/such/dir"})):
+                reply = http.post(path, **_body(body, plane))
+                assert 400 <= reply.status_code < 500 and reply.status_code != 401, (
+                    path, body, reply.text)
+                assert reply.json(), (path, reply.text)
+            assert http.delete("/contexts/nope", headers=plane).status_code == 404
+            assert http.get("/files?path=/no/such/file", headers=plane).status_code == 404
+            # A stream's failure travels in its last envelope, with a Connect code.
+            streamed = http.post("/process.Process/Start", content=b"\x00\x00\x00\x00\x09{garbage",
+                                 headers={**plane, "Content-Type": "application/connect+json"})
+            assert streamed.status_code == 200 and streamed.content[0] == 0x02
+            assert json.loads(streamed.content[5:])["error"]["code"] == "invalid_argument"
+        finally:
+            http.delete(f"/sandboxes/{sandbox_id}")
+
+
+def _body(body: object, headers: dict[str, str] | None = None) -> dict:
+    """httpx arguments sending ``body`` (a string as it is, as JSON's media type)."""
+    headers = dict(headers or {})
+    if body is None:
+        return {"headers": headers}
+    if isinstance(body, str):
+        return {"content": body, "headers": {**headers, "Content-Type": "application/json"}}
+    return {"json": body, "headers": headers}

@@ -175,15 +175,17 @@ async def list_sandboxes(
     oldest first, ``limit`` a page; the next page's token is in ``X-Next-Token``."""
     wanted = dict(urllib.parse.parse_qsl(metadata or "", keep_blank_values=True))
     states = set((state or "running,paused").split(","))
-    rows = [_listed(engine, sb.id) for sb in sorted(engine.list(), key=_order)]
-    rows = [r for r in rows if r["state"] in states
-            and all(r["metadata"].get(k) == v for k, v in wanted.items())]
-    start = _after(rows, next_token)
-    page = rows[start:start + limit]
-    if start + limit < len(rows):
+    after = _position(next_token) if next_token else None
+    found = [(_order(sb), _listed(engine, sb.id)) for sb in engine.list()
+             if after is None or _order(sb) > after]
+    found = sorted((f for f in found if f[1]["state"] in states
+                    and all(f[1]["metadata"].get(k) == v for k, v in wanted.items())),
+                   key=lambda f: f[0])
+    if len(found) > limit:
+        last = found[limit - 1][0]
         response.headers["X-Next-Token"] = base64.urlsafe_b64encode(
-            page[-1]["sandboxID"].encode()).decode()
-    return page
+            f"{last[0]!r}:{last[1]}".encode()).decode()
+    return [row for _, row in found[:limit]]
 
 
 @router.get("/sandboxes")
@@ -196,16 +198,15 @@ def _order(sb: Any) -> tuple[float, str]:
     return sb.record.created, sb.id
 
 
-def _after(rows: list[dict], token: str | None) -> int:
-    """Where the page after ``token`` (the last id of the previous page) starts."""
-    if not token:
-        return 0
+def _position(token: str) -> tuple[float, str]:
+    """The place in the listing order (creation time, id) of the previous page's last
+    sandbox, which the token names; the next page starts after it, even if it is gone."""
     try:
-        last = base64.urlsafe_b64decode(token.encode()).decode()
+        created, _, sandbox_id = base64.b64decode(
+            token.encode(), altchars=b"-_", validate=True).decode().partition(":")
+        return float(created), sandbox_id
     except ValueError:
         raise errors.InvalidRequest("nextToken is not a token this server gave") from None
-    ids = [r["sandboxID"] for r in rows]
-    return ids.index(last) + 1 if last in ids else 0
 
 
 @router.delete("/sandboxes/{sandbox_id}", status_code=204, response_class=Response)
