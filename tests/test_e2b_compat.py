@@ -442,6 +442,36 @@ def test_async_flavours(daemon: ServedDaemon) -> None:
     assert out["watched"] == [["a.txt", "write"], ["a.txt", "rename"], ["b.txt", "create"]]
 
 
+def test_other_ports_reach_the_sandbox_servers(daemon: ServedDaemon) -> None:
+    """A server in the sandbox, reached as E2B users do: at ``get_host(port)`` (the Host
+    header, as a wildcard DNS name would send it) or by E2B's headers, with the token."""
+    out = run(daemon, """
+        import json, os, time, httpx
+        from e2b import Sandbox
+        with Sandbox.create() as sbx:
+            sbx.files.write("/home/user/site/index.html", "<h1>from the sandbox</h1>")
+            sbx.commands.run("cd /home/user/site && python3 -m http.server 8000",
+                             background=True)
+            url, host = os.environ["E2B_API_URL"], sbx.get_host(8000)
+            token = {"E2B-Traffic-Access-Token": sbx.traffic_access_token}
+            for _ in range(100):
+                by_host = httpx.get(f"{url}/index.html", headers={"Host": host, **token})
+                if by_host.status_code == 200:
+                    break
+                time.sleep(0.1)
+            by_headers = httpx.get(f"{url}/index.html", headers={
+                "E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8000", **token})
+            without = httpx.get(f"{url}/index.html", headers={"Host": host})
+            print(json.dumps({"host": host.split(".")[0], "id": sbx.sandbox_id,
+                              "by_host": [by_host.status_code, by_host.text],
+                              "by_headers": [by_headers.status_code, by_headers.text],
+                              "without": without.status_code}))
+    """)
+    assert out["host"] == f"8000-{out['id']}"
+    assert out["by_host"] == [200, "<h1>from the sandbox</h1>"]
+    assert out["by_headers"] == out["by_host"] and out["without"] == 401
+
+
 def test_sandbox_plane_by_host_and_token(daemon: ServedDaemon) -> None:
     """E2B's own addressing (``<port>-<id>.<domain>`` Host) reaches the sandbox's envd;
     the sandbox plane wants the sandbox's token, and answers Connect errors in JSON."""

@@ -28,6 +28,7 @@ from branchbox.server import (
 from branchbox.server.deps import require_api_key
 from branchbox.server.disconnect import DisconnectWatch
 from branchbox.server.e2b_access import require_e2b_key
+from branchbox.server.e2b_ports import SandboxPorts
 from branchbox.server.errors import install_error_handlers
 from branchbox.server.limits import BodyLimit
 from branchbox.server.replay import EventLog
@@ -88,4 +89,5 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] = (),
     app.include_router(e2b_control.router, dependencies=[Depends(require_e2b_key)])
     app.include_router(e2b_envd.router)
     app.include_router(e2b_interpreter.router)
+    app.add_middleware(SandboxPorts)  # E2B-addressed requests for a sandbox's own ports
     return app

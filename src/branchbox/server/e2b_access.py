@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
+from collections.abc import Mapping
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -34,43 +35,65 @@ def _secret(keys: frozenset[str]) -> bytes:
         sorted(k.encode() for k in keys))).digest()
 
 
-def access_token(request: Request, sandbox_id: str) -> str | None:
-    """The sandbox's access token, or None when the daemon has no keys (nothing to check)."""
-    keys: frozenset[str] = request.app.state.api_keys
-    if not keys:
-        return None
+def _token(keys: frozenset[str], sandbox_id: str) -> str:
     return hmac.new(_secret(keys), sandbox_id.encode(), hashlib.sha256).hexdigest()
 
 
-def _api_key_ok(request: Request) -> bool:
+def access_token(request: Request, sandbox_id: str) -> str | None:
+    """The sandbox's access token, or None when the daemon has no keys (nothing to check)."""
     keys: frozenset[str] = request.app.state.api_keys
-    given = request.headers.get("x-api-key", "").encode()
+    return _token(keys, sandbox_id) if keys else None
+
+
+def _api_key_ok(keys: frozenset[str], headers: Mapping[str, str]) -> bool:
+    given = headers.get("x-api-key", "").encode()
     # compare_digest against every key: the time taken says nothing about which was close.
     return any([hmac.compare_digest(given, key.encode()) for key in keys])
 
 
+def access_granted(keys: frozenset[str], headers: Mapping[str, str], sandbox_id: str) -> bool:
+    """Whether a sandbox-plane request may reach ``sandbox_id``: it shows the sandbox's
+    token or one of the daemon's keys (always, on a daemon without keys)."""
+    if not keys or _api_key_ok(keys, headers):
+        return True
+    expected = _token(keys, sandbox_id).encode()
+    given = [headers.get(h, "") for h in ("x-access-token", "e2b-traffic-access-token")]
+    return any([hmac.compare_digest(g.encode(), expected) for g in given])
+
+
+def addressed(headers: Mapping[str, str]) -> tuple[str, int | None] | None:
+    """(sandbox id, port or None) a request names by E2B's headers or Host; None if it
+    names none. The id is not checked here (``is_sandbox_id``)."""
+    sandbox_id = headers.get("e2b-sandbox-id")
+    port = headers.get("e2b-sandbox-port", "")
+    if sandbox_id is None and (match := _HOST.match(headers.get("host", ""))):
+        sandbox_id, port = match.group(2), match.group(1)
+    if sandbox_id is None:
+        return None
+    return sandbox_id, int(port) if port.isdigit() and len(port) <= 5 else None
+
+
+def is_sandbox_id(text: str) -> bool:
+    return _ID.match(text) is not None
+
+
 async def require_e2b_key(request: Request) -> None:
     """The control plane's check: ``X-API-Key`` is one of the daemon's keys."""
-    if request.app.state.api_keys and not _api_key_ok(request):
+    keys: frozenset[str] = request.app.state.api_keys
+    if keys and not _api_key_ok(keys, request.headers):
         raise AuthError()
 
 
 def sandbox_of(request: Request) -> str:
     """The id of the sandbox a sandbox-plane request is for (400 without one), once the
     request has shown its token (401)."""
-    sandbox_id = request.headers.get("e2b-sandbox-id")
-    if sandbox_id is None and (match := _HOST.match(request.headers.get("host", ""))):
-        sandbox_id = match.group(2)
-    if sandbox_id is None or not _ID.match(sandbox_id):
+    target = addressed(request.headers)
+    if target is None or not is_sandbox_id(target[0]):
         raise errors.InvalidRequest("no sandbox named: send E2b-Sandbox-Id (sbx_ and 32 hex "
                                     "digits) or use a <port>-<sandbox id>.<domain> host")
-    expected = access_token(request, sandbox_id)
-    if expected is not None and not _api_key_ok(request):
-        given = [request.headers.get(h, "") for h in ("x-access-token",
-                                                       "e2b-traffic-access-token")]
-        if not any([hmac.compare_digest(g.encode(), expected.encode()) for g in given]):
-            raise AuthError()
-    return sandbox_id
+    if not access_granted(request.app.state.api_keys, request.headers, target[0]):
+        raise AuthError()
+    return target[0]
 
 
 SandboxId = Annotated[str, Depends(sandbox_of)]
