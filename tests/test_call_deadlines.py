@@ -168,6 +168,15 @@ def test_a_fork_of_a_repl_that_cannot_answer_ends_and_thaws(
     assert wait_for_status(api, sid, 410).status_code == 410
 
 
+def test_a_request_the_repl_cannot_answer_ends(api: httpx.Client, sid: str) -> None:
+    result(run(api, sid, "import threading\n"
+                         "threading.Timer(0.5, lambda: sum(range(10**12))).start()"))
+    time.sleep(1.5)
+    reply = api.post(f"/v1/sandboxes/{sid}/commands/999999/kill", json={})
+    assert reply.status_code == 408, reply.text
+    assert "did not answer" in reply.json()["error"]
+
+
 @pytest.mark.parametrize("policy", [{"timeout": 4}, {"idle_timeout": 3}])
 def test_fork_children_live_by_their_parents_lifetime(api: httpx.Client, policy: dict) -> None:
     parent = api.post("/v1/sandboxes", json=policy).json()["id"]

@@ -96,33 +96,46 @@ async def acquire(lock: asyncio.Lock, wait: float | None) -> None:
         raise TimeoutError
 
 
-async def until_gone(events: AsyncIterator[T]) -> AsyncIterator[T]:
-    """``events`` until the caller hangs up: then the wait for the next one is cancelled
-    (which abandons the request in the sandbox, see runtime.channel) and CallerGone is
-    raised."""
+PROMPT_OPS = frozenset({"ping", "kill", "ps", "input", "close_stdin", "resize", "unwatch"})
+"""Requests the agent answers at once (they take no lock): bounded by the engine's wait."""
+
+
+async def until_gone(events: AsyncIterator[T], limit: float | None = None) -> AsyncIterator[T]:
+    """``events`` until the caller hangs up, or for at most ``limit`` seconds: then the wait
+    for the next one is cancelled (which abandons the request in the sandbox, see
+    runtime.channel) and CallerGone, or SandboxTimeout, is raised."""
     gone = CALLER_GONE.get()
-    if gone is None:
+    if gone is None and limit is None:
         async for item in events:
             yield item
         return
-    waiter = asyncio.ensure_future(gone.wait())
+    loop = asyncio.get_running_loop()
+    deadline = None if limit is None else loop.time() + limit
+    waiter = asyncio.ensure_future(gone.wait()) if gone is not None else None
     try:
         while True:
             step = asyncio.ensure_future(anext(events))
-            await asyncio.wait([step, waiter], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([t for t in (step, waiter) if t is not None],
+                               timeout=None if deadline is None else deadline - loop.time(),
+                               return_when=asyncio.FIRST_COMPLETED)
             if not step.done():
                 step.cancel()
                 with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration,
                                          errors.EngineError):
                     await step
-                raise CallerGone("the client went away during the call; it was interrupted")
+                if waiter is not None and waiter.done():
+                    raise CallerGone("the client went away during the call; it was interrupted")
+                raise errors.SandboxTimeout(
+                    f"the sandbox's REPL did not answer within {limit:g} s (code it runs "
+                    "holds it); retry later, or close the sandbox")
             try:
                 item = step.result()
             except StopAsyncIteration:
                 return
             yield item
     finally:
-        waiter.cancel()
+        if waiter is not None:
+            waiter.cancel()
         await events.aclose()  # type: ignore[attr-defined]
 
 

@@ -37,7 +37,13 @@ from branchbox.engine.networking import SandboxNetwork
 from branchbox.engine.pausing import Pausing, refuse_paused
 from branchbox.engine.records import Records, SandboxRecord
 from branchbox.engine.repl_end import repl_ended
-from branchbox.engine.run_guard import RunDeadline, acquire, release_when_quiet, until_gone
+from branchbox.engine.run_guard import (
+    PROMPT_OPS,
+    RunDeadline,
+    acquire,
+    release_when_quiet,
+    until_gone,
+)
 from branchbox.engine.stopped import Stopped, StoppedSandboxes, describe
 from branchbox.engine.warm import WarmPool
 from branchbox.engine.workspaces import Workspaces
@@ -580,7 +586,8 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
             if op == "run_code":
                 deadline = RunDeadline(sb.body, (args or {}).get("timeout"), self._track)
             events = until_gone(self.events.watch_run(sb.record, op, args,
-                                                      channel.stream(op, args, payload)))
+                                                      channel.stream(op, args, payload)),
+                                self.config.busy_wait if op in PROMPT_OPS else None)
             try:
                 async for item in events:
                     yield item
