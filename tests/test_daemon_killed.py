@@ -65,6 +65,7 @@ def test_a_daemon_killed_inside_a_commit_leaves_nothing_frozen(workspace: Path) 
         with pytest.raises(SandboxError):
             sb.commit()  # the daemon kills itself inside it
         assert daemon.proc.wait(30) == -9, daemon.log.read_text()
+        sb.detach()  # its daemon is gone: only the client's connection is let go
         assert SandboxCgroup.leftovers(group), "the killed daemon's sandbox should still exist"
         eventually(lambda: not frozen_cgroups(group), within=10)
         assert not frozen_cgroups(group), f"frozen after the daemon died: {frozen_cgroups(group)}"
@@ -93,6 +94,7 @@ def test_a_commit_cut_by_a_kill_is_finished_without_waiting_for_a_restart(
         with pytest.raises(SandboxError):
             sb.commit()
         assert daemon.proc.wait(30) == -9, daemon.log.read_text()
+        sb.detach()  # its daemon is gone: only the client's connection is let go
         # No daemon runs now; the directory must become entirely the new version anyway.
         def staging() -> list[Path]:
             return [p for p in workspace.parent.iterdir()
