@@ -112,7 +112,7 @@ def test_calls_in_flight_during_a_graceful_stop_get_a_503() -> None:
         assert served.proc.wait(60) == 0, served.log.read_text()
         [reply] = replies
         assert reply.status_code == 503, reply.text
-        assert reply.json()["type"] == "ServiceStopping"
+        assert reply.json()["type"] == "ServerStopping"
         assert "stopping" in reply.json()["error"]
         sb.detach()  # the stop closed it: only the client's connection is let go
     finally:

@@ -11,7 +11,7 @@
     ├── ReplGone (410)            the sandbox's REPL process died
     ├── PayloadTooLarge (413)
     ├── ResourceLimit (429)       the sandbox's process limit is reached
-    ├── ServiceStopping (503)     the server is stopping
+    ├── ServerStopping (503)      the server is stopping
     └── InsufficientStorage (507) the sandbox's disk limit, or the store, is full
 
 ``kind`` is the name the SDK maps back to its own exception class.
@@ -88,9 +88,9 @@ class ResourceLimit(EngineError):
     kind = "ResourceLimit"
 
 
-class ServiceStopping(EngineError):
+class ServerStopping(EngineError):
     status = 503
-    kind = "ServiceStopping"
+    kind = "ServerStopping"
 
 
 class InsufficientStorage(EngineError):

@@ -18,7 +18,7 @@ def repl_ended(sb: Live, during: str, *, closed: bool, stopping: bool) -> errors
     """The error for a call ``during`` whose REPL channel closed. ``closed``: the sandbox
     is no longer live (closed or expired meanwhile); ``stopping``: the server is stopping."""
     if stopping:
-        return errors.ServiceStopping(
+        return errors.ServerStopping(
             f"the server is stopping: sandbox {sb.id} was closed during {during}; "
             "retry against the restarted server")
     if closed:

@@ -124,7 +124,7 @@ _TABLE: dict[str, tuple[type[SandboxError], int | None]] = {
     "CommandNotFound": (CommandNotFound, None),
     "PayloadTooLarge": (PayloadTooLarge, 413),
     "ResourceLimit": (ResourceLimit, 429),
-    "ServiceStopping": (ServerStopping, 503),
+    "ServerStopping": (ServerStopping, 503),
     "InsufficientStorage": (InsufficientStorage, 507),
     "ImageBuildFailed": (ImageBuildFailed, 422),
 }

@@ -5,7 +5,7 @@ for the requests under way; the ones still running then are cancelled, and a cli
 whose answer had not started got uvicorn's plain-text "Internal Server Error". So
 the moment a stop begins (:meth:`StopSignal.begin`, called from the signal handler),
 this middleware answers every request still waiting for the engine with 503 JSON
-(``ServiceStopping``) and cancels its work (a run is interrupted, as for a client
+(``ServerStopping``) and cancels its work (a run is interrupted, as for a client
 that hung up), and refuses new requests on kept-alive connections the same way.
 An answer already streaming is left to finish or be cut.
 """
@@ -48,7 +48,7 @@ class StopSignal:
 
 
 class StopGate:
-    """ASGI middleware: 503 ``ServiceStopping`` for HTTP calls once ``signal`` is set."""
+    """ASGI middleware: 503 ``ServerStopping`` for HTTP calls once ``signal`` is set."""
 
     def __init__(self, app: ASGIApp, signal: StopSignal) -> None:
         self.app = app
@@ -91,4 +91,4 @@ class StopGate:
 
 
 async def _refuse(scope: Scope, receive: Receive, send: Send) -> None:
-    await error_response(503, STOPPING_MESSAGE, "ServiceStopping")(scope, receive, send)
+    await error_response(503, STOPPING_MESSAGE, "ServerStopping")(scope, receive, send)
