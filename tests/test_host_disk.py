@@ -172,3 +172,14 @@ def test_an_aborted_store_is_refused_with_what_to_do() -> None:
         finally:
             if loopback.mount_at(mountpoint, loopback.current_mounts()) is not None:
                 loopback.unmount_image(mountpoint, device)
+
+
+def test_a_store_the_host_can_no_longer_back_is_refused_at_start() -> None:
+    with small_host_disk(1024) as host:
+        data = host / "data"
+        with choose_backend(data, "btrfs"):
+            pass  # made while the host had room
+        fill_host(host, leave_mib=100)  # then the host filled up while no daemon ran
+        with pytest.raises(StoreUnhealthy, match="nearly full"):
+            choose_backend(data, "btrfs")
+        assert not loopback.mounts_under(data, loopback.current_mounts())
