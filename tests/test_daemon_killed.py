@@ -22,6 +22,7 @@ from served import ServedDaemon
 from waiting import eventually
 
 from branchbox import Sandbox, SandboxError
+from branchbox.engine.branching import FORK_FAULT_ENV
 from branchbox.engine.config import EngineConfig
 from branchbox.runtime.cgroups import SandboxCgroup
 from branchbox.storage.journal import FAULT_ENV
@@ -105,6 +106,27 @@ def test_a_commit_cut_by_a_kill_is_finished_without_waiting_for_a_restart(
                    within=10)
         assert {p.name for p in workspace.iterdir()} == names
         assert not staging()
+    finally:
+        if daemon.proc.poll() is None:
+            daemon.stop()
+        else:
+            ServedDaemon("kill9", env, data_dir=daemon.data_dir).stop()
+
+
+def test_a_daemon_killed_inside_a_fork_leaves_nothing_frozen() -> None:
+    env = {k: v for k, v in os.environ.items() if k != FORK_FAULT_ENV}
+    env["BRANCHBOX_API_KEY"] = "kill9-test-key"
+    daemon = ServedDaemon("kill9", {**env, FORK_FAULT_ENV: "frozen"})
+    group = EngineConfig(data_dir=daemon.data_dir).cgroup_group
+    try:
+        sb = Sandbox(url=daemon.url, api_key="kill9-test-key")
+        sb.exec("sleep 600", background=True)  # in the commands leaf the fork freezes
+        with pytest.raises(SandboxError):
+            sb.fork(1)
+        assert daemon.proc.wait(30) == -9, daemon.log.read_text()
+        sb.detach()
+        eventually(lambda: not frozen_cgroups(group), within=10)
+        assert not frozen_cgroups(group), f"frozen after the daemon died: {frozen_cgroups(group)}"
     finally:
         if daemon.proc.poll() is None:
             daemon.stop()

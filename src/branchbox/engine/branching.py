@@ -13,6 +13,7 @@ import contextlib
 import functools
 import os
 import secrets
+import signal
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -33,6 +34,9 @@ from branchbox.storage import layerdiff
 
 # Frozen layers a root may stack before a fork squashes them into one.
 MAX_CHAIN = 16
+# Crash tests: "frozen" makes the daemon SIGKILL itself right after a fork froze the
+# parent's commands (what a kill -9 at the worst moment does; tests/test_daemon_killed.py).
+FORK_FAULT_ENV = "BRANCHBOX_FORK_FAULT"
 DEFAULT_DIFF_PATHS = ("/root", "/tmp")
 # Seconds a failed fork gives the REPL to leave its fork batch (it may be the reason).
 _LEAVE_BATCH = 5.0
@@ -85,6 +89,8 @@ class Branching:
         gets one). ``timings`` gets the fork's timings as its ``last_fork``."""
         started = time.perf_counter()
         pbody.cgroup.freeze("cmds")
+        if os.environ.get(FORK_FAULT_ENV) == "frozen":
+            os.kill(os.getpid(), signal.SIGKILL)
         made: list[tuple[str, Body]] = []
         fresh: list[FrozenLayer] = []
         pending: list = []  # each slot's answer, then each child's hello
