@@ -1,11 +1,14 @@
 """Networking: what a fork child's address costs, and the port proxy against going direct.
 
 Every sandbox is networked, so there is no fork "without network" to time on
-its own; the daemon reports, per fork, how long its netlink helper spent on
-the children's veths and addresses (``last_fork["network"]``), and the rows
-show fork(n), that network part per child, and fork(n) minus it. The network
-part runs while the REPL forks the next child, so the difference is an upper
-bound of what a network-less fork would save.
+its own; the daemon reports, per fork, the time of each step of the children's
+networks (``last_fork["network_steps"]``: taking a prepared port, finding the
+child's namespace, the helper's steps, the round trip to the helper, the
+children's egress policy) and their sum (``last_fork["network"]``). The rows
+show fork(n), that network part per child, each step per child, and fork(n)
+minus the network part. The network part runs while the REPL forks the next
+child, so the difference is an upper bound of what a network-less fork would
+save.
 
 The proxy rows fetch from a server in the sandbox (``python3 -m http.server``)
 through ``/v1/sandboxes/{id}/ports/{port}`` on the daemon's socket, and
@@ -23,6 +26,8 @@ from branchbox.sdk import Sandbox
 
 TITLE = "networking: fork children's addresses, port proxy"
 BIG_MB = 100
+# The netlink helper's own steps of a plug (runtime.netlink_helper.Helper.op_plug).
+HELPER_STEPS = ("decode", "veth", "setns_in", "socket", "configure", "setns_out")
 
 
 def run(ctx: Context) -> list[Row]:
@@ -36,18 +41,30 @@ def run(ctx: Context) -> list[Row]:
 
 def _fork(ctx: Context, parent: Sandbox, n: int) -> list[Row]:
     ctx.step(f"fork({n}) with every child networked")
-    total, network = [], []
+    total, network, helper = [], [], []
+    steps: dict[str, list[float]] = {}
     for _ in range(ctx.pick(2, 10 if n <= 5 else 5)):
         t0 = time.perf_counter()
         kids = parent.fork(n)
         total.append(1000 * (time.perf_counter() - t0))
-        network.append(1000 * parent.info()["last_fork"].get("network", 0.0))
+        last = parent.info()["last_fork"]
+        network.append(1000 * last.get("network", 0.0))
+        per_step = last.get("network_steps", {})
+        helper.append(1000 * sum(per_step.get(s, 0.0) for s in HELPER_STEPS) / n)
+        for step, seconds in per_step.items():
+            steps.setdefault(step, []).append(1000 * seconds / n)
         close_all(kids)
     per_child = [ms / n for ms in network]
     return [
         Row(f"fork({n}), children networked", total, params={"n": n, "kind": "fork"}),
         Row(f"fork({n}): network part per child", per_child,
-            params={"n": n, "kind": "network"}, note="netlink helper time; target ≤ 1 ms"),
+            params={"n": n, "kind": "network"},
+            note="daemon + helper, policy included; target ≤ 1 ms"),
+        Row(f"fork({n}): netlink helper part per child", helper,
+            params={"n": n, "kind": "network-helper"}, note="what the helper itself spends"),
+        *(Row(f"fork({n}): network step {step} per child", samples,
+              params={"n": n, "kind": f"network-{step}"})
+          for step, samples in steps.items()),
         Row(f"fork({n}) minus its network part", [t - w for t, w in zip(total, network,
                                                                           strict=True)],
             params={"n": n, "kind": "fork-net"}, note="upper bound of a fork without network"),

@@ -94,7 +94,7 @@ class Branching:
         made: list[tuple[str, Body]] = []
         fresh: list[FrozenLayer] = []
         pending: list = []  # each slot's answer, then each child's hello
-        net_took: list[float] = []  # the helper's time per child's network
+        net_steps: list[dict] = []  # per child: its network's steps (ns), networking.attach
         hellos: list = []  # wrapped by _networked: closed too if it never ran
         batch_open = False
         try:
@@ -116,7 +116,7 @@ class Branching:
                 answer, hello = await self._send_slot(channel, sid, body, inherit)
                 inherit = None
                 hellos.append(hello)
-                pending += [answer, self._networked(hello, body, net_took) if network
+                pending += [answer, self._networked(hello, body, net_steps) if network
                             else hello]
             batch_open = False
             forked = await channel.call("fork")
@@ -129,13 +129,20 @@ class Branching:
             for (_, body), hello in zip(made, answers[1::2], strict=True):
                 if hello.get("signal_listener") is not None:
                     await self._take_signal_listener(body, hello)
+            policy_ns = time.perf_counter_ns()
             if network:
                 self.net.apply([body.key for _, body in made], meta.get("network")
                                or self.net.policy_of(None, None))
+            policy_ns = time.perf_counter_ns() - policy_ns
             if timings is not None:
+                steps = {"policy": policy_ns} if network else {}
+                for child in net_steps:
+                    for step, ns in child.items():
+                        steps[step] = steps.get(step, 0) + ns
                 timings.last_fork = {"n": n, "repl_paused": forked.get("paused"),
                                      "total": time.perf_counter() - started,
-                                     "network": sum(net_took)}
+                                     "network": sum(steps.values()) / 1e9,
+                                     "network_steps": {k: v / 1e9 for k, v in steps.items()}}
         except BaseException as exc:
             for coro in [*pending, *hellos]:
                 if asyncio.iscoroutine(coro):
@@ -158,7 +165,7 @@ class Branching:
                     self.layers.drop(layer)
             if thaw_cmds:
                 pbody.cgroup.freeze("cmds", frozen=False)
-        self.net.refill()  # leases for the next fork, off its path
+        self.net.refill_soon()  # leases for the next fork, after this one's answer
         return made
 
     def _adopt_children(self, parent: Live, made: list[tuple[str, Body]],
@@ -193,12 +200,12 @@ class Branching:
         if idle := parent.record.meta.get("idle_timeout"):
             self._close_when_idle(child, idle)
 
-    async def _networked(self, hello, body: Body, took: list[float]) -> dict:
+    async def _networked(self, hello, body: Body, steps: list[dict]) -> dict:
         """The child's hello, then at once its network (while the REPL forks the next
         child): a veth created into its namespace, its address and route."""
         result = await hello
         reply = await self.net.attach(body.key, body.cgroup, int(result.get("pid") or 0))
-        took.append(reply.get("took", 0.0))
+        steps.append(reply["steps"])
         return result
 
     def _prepare_child(self, lowers: list[FrozenLayer], parent: LayerStack,

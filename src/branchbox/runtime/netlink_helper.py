@@ -9,9 +9,11 @@ SOCK_SEQPACKET socket (a JSON header, and a netns fd over SCM_RIGHTS), does
 ``setns`` into the sandbox's namespace, sends a few netlink messages there and
 goes back to the host's namespace.
 
-Messages are built with pyroute2's marshalling classes and sent on a plain
-netlink socket: pyroute2's ``IPRoute`` runs an asyncio core per call, ~1 ms a
-message here, where the kernel needs ~0.1 ms.
+Messages are built with pyroute2's marshalling classes (``runtime.netlink_msgs``)
+and sent on a plain netlink socket: pyroute2's ``IPRoute`` runs an asyncio core
+per call, ~1 ms a message here, where the kernel needs ~0.1 ms. A plug's
+messages come encoded by the daemon when it prepared the port, and the three
+messages inside the namespace go in one datagram.
 
 Why a veth is *created* into the child's namespace (the peer made there with
 ``IFLA_NET_NS_FD``) instead of prepared ahead and moved: moving a device
@@ -30,78 +32,44 @@ import struct
 import sys
 import time
 
-from pyroute2.netlink import NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REQUEST
-from pyroute2.netlink.rtnl import (
-    RTM_DELADDR,
-    RTM_DELLINK,
-    RTM_DELNEIGH,
-    RTM_NEWADDR,
-    RTM_NEWLINK,
-    RTM_NEWROUTE,
-)
-from pyroute2.netlink.rtnl.ifaddrmsg import ifaddrmsg
-from pyroute2.netlink.rtnl.ifinfmsg import ifinfmsg
-from pyroute2.netlink.rtnl.ndmsg import ndmsg
-from pyroute2.netlink.rtnl.rtmsg import rtmsg
+from branchbox.runtime import netlink_msgs as msgs
 
 CLONE_NEWNET = 0x40000000
-IFF_UP = 1
-PEER_INDEX = 2  # eth0's ifindex inside a fresh namespace (ifindexes are per namespace)
-_NEW = NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
 class Netlink:
-    """A route netlink socket of the namespace current at creation; one request at a time."""
+    """A route netlink socket of the namespace current at creation; one batch at a time."""
 
     def __init__(self) -> None:
         self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE)
         self.sock.bind((0, 0))
         self.seq = 0
 
-    def request(self, msg, msg_type: int, flags: int = NLM_F_REQUEST | NLM_F_ACK,
-                ok: tuple[int, ...] = ()) -> None:
-        """Send ``msg`` and wait for its ack; an errno in ``ok`` counts as success."""
-        self.seq += 1
-        msg["header"]["type"] = msg_type
-        msg["header"]["flags"] = flags
-        msg["header"]["sequence_number"] = self.seq
-        msg.encode()
-        self.sock.send(msg.data)
-        while True:
+    def send(self, batch: msgs.Batch) -> None:
+        """Send ``batch`` in one datagram and wait for every message's ack; the first
+        errno not in that message's ``ok`` is raised (the kernel still handles the rest)."""
+        data, seqs = batch.stamp(self.seq + 1)
+        self.seq = seqs[-1]
+        self.sock.send(data)
+        waiting = dict(zip(seqs, batch.ok, strict=True))
+        failed = 0
+        while waiting:
             data = self.sock.recv(65536)
-            _, kind, _, seq, _ = struct.unpack_from("=IHHII", data)
-            if seq == self.seq and kind == 2:  # NLMSG_ERROR carries the ack
-                err = -struct.unpack_from("=i", data, 16)[0]
-                if err and err not in ok:
-                    raise OSError(err, os.strerror(err))
-                return
+            offset = 0
+            while offset + 16 <= len(data):
+                length, kind, _, seq, _ = struct.unpack_from("=IHHII", data, offset)
+                if kind == 2 and seq in waiting:  # NLMSG_ERROR carries the ack
+                    err = -struct.unpack_from("=i", data, offset + 16)[0]
+                    if err and err not in waiting[seq] and not failed:
+                        failed = err
+                    del waiting[seq]
+                offset += (max(length, 16) + 3) & ~3
+        if failed:
+            raise OSError(failed, os.strerror(failed))
 
     def close(self) -> None:
         self.sock.close()
-
-
-def _link(index: int = 0, **fields) -> ifinfmsg:
-    msg = ifinfmsg()
-    msg["index"] = index
-    for key, value in fields.items():
-        msg[key] = value
-    return msg
-
-
-def _addr(index: int, address: str, prefix: int) -> ifaddrmsg:
-    msg = ifaddrmsg()
-    msg["family"], msg["prefixlen"], msg["index"] = socket.AF_INET, prefix, index
-    msg["attrs"] = [("IFA_LOCAL", address), ("IFA_ADDRESS", address)]
-    return msg
-
-
-def _default_route(index: int, gateway: str) -> rtmsg:
-    msg = rtmsg()
-    msg["family"], msg["table"], msg["proto"], msg["scope"], msg["type"] = (
-        socket.AF_INET, 254, 4, 0, 1)  # main table, static, universe, unicast
-    msg["attrs"] = [("RTA_GATEWAY", gateway), ("RTA_OIF", index)]
-    return msg
 
 
 def _setns(fd: int) -> None:
@@ -114,6 +82,9 @@ class Helper:
     def __init__(self) -> None:
         self.host_ns = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         self.host = Netlink()
+        # Reserved: a request's netns fd is dup2'ed here, where the pre-encoded
+        # messages name it (netlink_msgs.NETNS_SLOT).
+        os.dup2(self.host_ns, msgs.NETNS_SLOT, inheritable=False)
 
     @contextlib.contextmanager
     def inside(self, netns_fd: int):
@@ -133,70 +104,78 @@ class Helper:
         address, bring it up. A bridge without a set MAC takes its ports' lowest, which
         changes as sandboxes come and go: their ARP caches would point at a MAC the
         bridge no longer answers to, and their traffic would stall."""
-        msg = _link(flags=IFF_UP, change=IFF_UP)
-        msg["attrs"] = [("IFLA_IFNAME", req["name"]), ("IFLA_ADDRESS", req["mac"]),
-                        ("IFLA_LINKINFO", {"attrs": [("IFLA_INFO_KIND", "bridge")]})]
-        self.host.request(msg, RTM_NEWLINK, NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE)
+        self.host.send(msgs.bridge(req["name"], req["mac"]))
         index = socket.if_nametoindex(req["name"])
-        self.host.request(_link(index, flags=IFF_UP, change=IFF_UP), RTM_NEWLINK)
-        self.host.request(_addr(index, req["address"], req["prefix"]), RTM_NEWADDR, _NEW,
-                          ok=(17,))  # EEXIST: a restarted daemon's bridge
+        self.host.send(msgs.link_up(index) + msgs.address(
+            index, req["address"], req["prefix"], ok=(17,)))  # EEXIST: a restarted daemon's
         return {"index": index}
 
     def op_plug(self, req: dict, fds: list[int]) -> dict:
         """A veth pair: ``port`` on the bridge, up; its peer ``eth0`` made directly in the
-        namespace ``fds[0]`` with ``mac``, then (inside) up, ``address`` and the default
-        route through ``gateway``."""
-        peer = {"index": PEER_INDEX, "attrs": [("IFLA_IFNAME", "eth0"),
-                                                ("IFLA_ADDRESS", req["mac"]),
-                                                ("IFLA_NET_NS_FD", fds[0])]}
-        msg = _link(flags=IFF_UP, change=IFF_UP)
-        msg["attrs"] = [
-            ("IFLA_IFNAME", req["port"]), ("IFLA_MASTER", req["bridge"]),
-            ("IFLA_LINKINFO", {"attrs": [
-                ("IFLA_INFO_KIND", "veth"),
-                ("IFLA_INFO_DATA", {"attrs": [("VETH_INFO_PEER", peer)]})]})]
-        index = PEER_INDEX
+        namespace ``fds[0]``, then (inside) up, its address and the default route.
+
+        The messages come encoded (``req["veth"]``, ``req["inside"]``: netlink_msgs);
+        ``steps`` in the reply is each step's time in ns, for the bench."""
+        t0 = time.perf_counter_ns()
+        os.dup2(fds[0], msgs.NETNS_SLOT, inheritable=False)
         try:
-            self.host.request(msg, RTM_NEWLINK, _NEW)
+            t = [t0, *self._plug(req, fds[0])]
+        finally:  # the slot must not keep the child's namespace alive after it dies
+            os.dup2(self.host_ns, msgs.NETNS_SLOT, inheritable=False)
+        return {"steps": {step: t[i + 1] - t[i] for i, step in enumerate(
+            ("decode", "veth", "setns_in", "socket", "configure", "setns_out"))}}
+
+    def _plug(self, req: dict, netns_fd: int) -> list[int]:
+        """op_plug's steps; the clock after each."""
+        veth = msgs.Batch(bytes.fromhex(req["veth"]), ((),))
+        inside = msgs.Batch(bytes.fromhex(req["inside"]), tuple(map(tuple, req["ok"])))
+        t1 = time.perf_counter_ns()
+        try:
+            self.host.send(veth)
+            index = msgs.PEER_INDEX
         except OSError as exc:
             if exc.errno != 17:  # index 2 taken in that namespace: let the kernel pick
                 raise
-            peer["index"] = 0
-            self.host.request(msg, RTM_NEWLINK, _NEW)
+            self.host.send(msgs.veth(req["port"], req["bridge"], req["mac"], peer_index=0))
             index = 0
-        with self.inside(fds[0]) as nl:
-            if index == 0:
-                index = socket.if_nametoindex("eth0")
-            nl.request(_link(index, flags=IFF_UP, change=IFF_UP), RTM_NEWLINK)
-            nl.request(_addr(index, req["address"], req["prefix"]), RTM_NEWADDR, _NEW)
-            nl.request(_default_route(index, req["gateway"]), RTM_NEWROUTE, _NEW)
-        return {}
+        t2 = time.perf_counter_ns()
+        _setns(netns_fd)
+        try:
+            t3 = time.perf_counter_ns()
+            nl = Netlink()
+            t4 = time.perf_counter_ns()
+            try:
+                if index == 0:
+                    index = socket.if_nametoindex("eth0")
+                    inside = msgs.configure(index, req["address"], req["prefix"],
+                                            req["gateway"])
+                nl.send(inside)
+            finally:
+                nl.close()
+            t5 = time.perf_counter_ns()
+        finally:
+            _setns(self.host_ns)
+        return [t1, t2, t3, t4, t5, time.perf_counter_ns()]
 
     def op_readdr(self, req: dict, fds: list[int]) -> dict:
         """Inside ``fds[0]``: ``eth0`` drops ``old`` and takes ``new`` (a merged winner
         takes its parent's address); the default route goes with the address."""
         with self.inside(fds[0]) as nl:
             index = socket.if_nametoindex("eth0")
-            nl.request(_addr(index, req["old"], req["prefix"]), RTM_DELADDR, ok=(99,))
-            nl.request(_addr(index, req["new"], req["prefix"]), RTM_NEWADDR, _NEW, ok=(17,))
-            nl.request(_default_route(index, req["gateway"]), RTM_NEWROUTE, _NEW, ok=(17,))
+            nl.send(msgs.address(index, req["old"], req["prefix"], delete=True, ok=(99,))
+                    + msgs.address(index, req["new"], req["prefix"], ok=(17,))
+                    + msgs.default_route(index, req["gateway"], ok=(17,)))
         return {}
 
     def op_forget_neighbour(self, req: dict, fds: list[int]) -> dict:
         """The host forgets which MAC held ``address`` on the bridge (it moved)."""
-        msg = ndmsg()
-        msg["family"], msg["ifindex"] = socket.AF_INET, req["bridge"]
-        msg["attrs"] = [("NDA_DST", req["address"])]
-        self.host.request(msg, RTM_DELNEIGH, ok=(2,))
+        self.host.send(msgs.forget_neighbour(req["bridge"], req["address"]))
         return {}
 
     def op_unplug(self, req: dict, fds: list[int]) -> dict:
         """Delete host-side links by name (the peer goes with each); gone ones are fine."""
         for name in req["names"]:
-            msg = _link()
-            msg["attrs"] = [("IFLA_IFNAME", name)]
-            self.host.request(msg, RTM_DELLINK, ok=(19,))  # ENODEV
+            self.host.send(msgs.delete_link(name))
         return {}
 
     def op_links(self, req: dict, fds: list[int]) -> dict:
@@ -216,7 +195,6 @@ def main() -> None:
         if not data:
             return
         req = json.loads(data)
-        started = time.perf_counter()
         try:
             reply = {"ok": True, **getattr(helper, "op_" + req["op"])(req, fds)}
         except OSError as exc:
@@ -226,7 +204,6 @@ def main() -> None:
         finally:
             for fd in fds:
                 os.close(fd)
-        reply["took"] = time.perf_counter() - started  # for the bench's network rows
         sock.send(json.dumps({"id": req.get("id"), **reply}).encode())
 
 

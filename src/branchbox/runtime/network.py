@@ -31,6 +31,7 @@ import sys
 import zlib
 from pathlib import Path
 
+from branchbox.runtime import netlink_msgs as msgs
 from branchbox.runtime.firewall import Firewall
 
 DEFAULT_FIRST_SUBNET = ipaddress.ip_network("10.89.0.0/16")
@@ -207,13 +208,20 @@ class Network:
         if mine:
             await self.helper.call("unplug", names=mine)
 
-    async def plug(self, port: str, mac: str, address: str, netns_fd: int) -> dict:
+    def plug_messages(self, port: str, mac: str, address: str) -> msgs.PlugMessages:
+        """A port's plug, encoded now (when it is prepared) instead of at the fork."""
+        return msgs.plug_messages(port, mac, address, self.subnet.prefixlen, self.gateway,
+                                  self.bridge_index)
+
+    async def plug(self, port: str, mac: str, address: str, wire: msgs.PlugMessages,
+                   netns_fd: int) -> dict:
         """``port`` on the bridge, its peer ``eth0`` with ``address`` in ``netns_fd``
-        (consumed)."""
+        (consumed); ``wire`` is the port's :meth:`plug_messages`."""
         try:
-            return await self.helper.call("plug", [netns_fd], port=port, mac=mac, address=address,
-                                   prefix=self.subnet.prefixlen, gateway=self.gateway,
-                                   bridge=self.bridge_index)
+            return await self.helper.call(
+                "plug", [netns_fd], port=port, mac=mac, address=address,
+                prefix=self.subnet.prefixlen, gateway=self.gateway, bridge=self.bridge_index,
+                veth=wire.veth.data.hex(), inside=wire.inside.data.hex(), ok=wire.inside.ok)
         finally:
             os.close(netns_fd)
 
