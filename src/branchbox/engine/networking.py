@@ -148,18 +148,18 @@ class SandboxNetwork:
 
     async def attach(self, body_key: str, cgroup, ns_pid: int) -> dict:
         """Give the body whose REPL is ``ns_pid`` (in its family's namespace, among the
-        body's cgroup pids) its port. Returns the helper's reply with ``steps``: each
+        body's "repl" leaf) its port. Returns the helper's reply with ``steps``: each
         step's time in ns, the helper's own and the daemon's (``lookup``: finding the
-        REPL's namespace; ``ipc``: the round trip to the helper beyond its work)."""
+        REPL's namespace; ``ipc``: the way to the helper and back, without the time the
+        request queued behind other children's: those are counted in theirs)."""
         t0 = time.perf_counter_ns()
         port = self.take(body_key)
         t1 = time.perf_counter_ns()
-        pids = cgroup.pids()
-        host_pid = procfs.find_repl(pids, ns_pid)
+        host_pid = procfs.find_repl(cgroup.leaf_pids("repl"), ns_pid)
         if host_pid is None:
             raise errors.EngineError("the sandbox's REPL is gone: no network for it")
         fd = os.open(f"/proc/{host_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-        if host_pid not in cgroup.pids():  # it died and the pid was reused meanwhile
+        if host_pid not in cgroup.leaf_pids("repl"):  # it died, the pid was reused meanwhile
             os.close(fd)
             raise errors.EngineError("the sandbox's REPL is gone: no network for it")
         t2 = time.perf_counter_ns()
@@ -167,11 +167,9 @@ class SandboxNetwork:
             reply = await self.net.plug(port.name, port.mac, port.address, port.wire, fd)
         except NetworkError as exc:
             raise errors.EngineError(f"network set-up failed: {exc}") from None
-        t3 = time.perf_counter_ns()
         port.plugged = True
-        helper = reply.get("steps", {})
-        reply["steps"] = {"take": t1 - t0, "lookup": t2 - t1, **helper,
-                          "ipc": t3 - t2 - sum(helper.values())}
+        reply["steps"] = {"take": t1 - t0, "lookup": t2 - t1, **reply["steps"],
+                          "ipc": reply["arrival"] + reply["received"] - reply["replied"]}
         return reply
 
     async def release(self, body_key: str) -> None:

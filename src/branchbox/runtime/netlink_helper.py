@@ -132,12 +132,10 @@ class Helper:
         t1 = time.perf_counter_ns()
         try:
             self.host.send(veth)
-            index = msgs.PEER_INDEX
         except OSError as exc:
-            if exc.errno != 17:  # index 2 taken in that namespace: let the kernel pick
+            if exc.errno not in (16, 17):  # EBUSY/EEXIST: ifindex 2 is taken there
                 raise
             self.host.send(msgs.veth(req["port"], req["bridge"], req["mac"], peer_index=0))
-            index = 0
         t2 = time.perf_counter_ns()
         _setns(netns_fd)
         try:
@@ -145,8 +143,10 @@ class Helper:
             nl = Netlink()
             t4 = time.perf_counter_ns()
             try:
-                if index == 0:
-                    index = socket.if_nametoindex("eth0")
+                # The prepared messages name ifindex 2; some kernels give the peer another
+                # one without an error when 2 is taken (never in a fresh namespace).
+                index = socket.if_nametoindex("eth0")
+                if index != msgs.PEER_INDEX:
                     inside = msgs.configure(index, req["address"], req["prefix"],
                                             req["gateway"])
                 nl.send(inside)
@@ -187,6 +187,7 @@ def main() -> None:
     """Serve requests on fd ``argv[1]`` until it closes."""
     sock = socket.socket(fileno=int(sys.argv[1]))
     helper = Helper()
+    idle_since = 0  # perf_counter_ns (CLOCK_MONOTONIC, the daemon's clock too)
     while True:
         try:
             data, fds, _, _ = socket.recv_fds(sock, 65536, 4)
@@ -194,6 +195,7 @@ def main() -> None:
             return
         if not data:
             return
+        received = time.perf_counter_ns()
         req = json.loads(data)
         try:
             reply = {"ok": True, **getattr(helper, "op_" + req["op"])(req, fds)}
@@ -204,7 +206,12 @@ def main() -> None:
         finally:
             for fd in fds:
                 os.close(fd)
+        # For the bench: how long the request took to get here, not counting the time
+        # it queued behind others, and when the answer left.
+        reply["arrival"] = received - max(req.get("sent", received), idle_since)
+        reply["replied"] = time.perf_counter_ns()
         sock.send(json.dumps({"id": req.get("id"), **reply}).encode())
+        idle_since = time.perf_counter_ns()
 
 
 if __name__ == "__main__":

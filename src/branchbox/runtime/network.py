@@ -28,6 +28,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -123,18 +124,22 @@ class Helper:
                 self.waiting.clear()
                 return
             reply = json.loads(data)
+            reply["received"] = time.perf_counter_ns()
             fut = self.waiting.pop(reply.get("id"), None)
             if fut is not None and not fut.done():
                 fut.set_result(reply)
 
     async def call(self, op: str, fds: list[int] = (), **args) -> dict:
+        """The helper's reply to ``op``; ``arrival`` and ``replied`` in it, and the
+        ``received`` added here, time the round trip (perf_counter_ns)."""
         if self.loop is None:
             self.loop = asyncio.get_running_loop()
             self.loop.add_reader(self.sock.fileno(), self._readable)
         self.ids += 1
         fut = self.loop.create_future()
         self.waiting[self.ids] = fut
-        data = json.dumps({"op": op, "id": self.ids, **args}).encode()
+        data = json.dumps({"op": op, "id": self.ids, "sent": time.perf_counter_ns(),
+                           **args}).encode()
         while True:
             try:
                 socket.send_fds(self.sock, [data], list(fds))

@@ -1,0 +1,143 @@
+"""The netlink helper's plug with messages encoded ahead (runtime.netlink_msgs), against
+real namespaces: a process that sits in a fresh network namespace stands for a fork child.
+
+What must hold: the child's ``eth0`` gets its address and default route from the
+prepared messages, also when ifindex 2 is already taken there (the fallback re-encodes
+them), and the helper keeps no fd of the child's namespace once the plug is done (its
+reserved slot would otherwise keep the namespace alive after the child dies)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import os
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from branchbox.runtime import netlink_msgs
+from branchbox.runtime.network import Helper, Network, NetworkError
+
+SUBNET = ipaddress.ip_network("10.251.0.0/24")  # routed nowhere else: the bridge is ours
+
+
+@contextlib.contextmanager
+def _holder(make_dummy: bool) -> Iterator[subprocess.Popen]:
+    """A process in a fresh network namespace; with a bridge link first if asked (it
+    takes ifindex 2, the one the prepared veth message asks for)."""
+    code = ("import sys, time\n"
+            "if sys.argv[1] == '1':\n"
+            "    from pyroute2 import IPRoute\n"
+            "    IPRoute().link('add', ifname='d0', kind='bridge')\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(120)\n")
+    proc = subprocess.Popen(["unshare", "-n", sys.executable, "-c", code,
+                             "1" if make_dummy else "0"], stdout=subprocess.PIPE, text=True)
+    with proc:
+        try:
+            assert proc.stdout.readline().strip() == "ready", "the namespace holder failed"
+            yield proc
+        finally:
+            proc.kill()
+
+
+@contextlib.asynccontextmanager
+async def _network() -> AsyncIterator[Network]:
+    """A helper and a bridge of this test's own (no firewall: nothing is sent); on the
+    running loop, which the helper's client binds to."""
+    net = Network(uuid.uuid4().hex[:4])
+    net.helper = Helper()
+    net.subnet = SUBNET
+    net.gateway = str(SUBNET.network_address + 1)
+    try:
+        net.bridge_index = (await net.helper.call(
+            "bridge", name=net.bridge, address=net.gateway, prefix=SUBNET.prefixlen,
+            mac=net.bridge_mac()))["index"]
+        yield net
+    finally:
+        await net.sweep(bridge_too=True)
+        net.helper.close()
+
+
+async def _plug(net: Network, pid: int, n: int) -> dict:
+    port, address = f"{net.port_prefix}{n}", str(SUBNET.network_address + n)
+    mac = "02:bb:" + ":".join(f"{b:02x}" for b in ipaddress.IPv4Address(address).packed)
+    wire = net.plug_messages(port, mac, address)
+    fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    return await net.plug(port, mac, address, wire, fd)
+
+
+def _inside(pid: int) -> tuple[set[str], list[tuple[str, str]]]:
+    """The namespace of ``pid`` as its /proc/net shows it: local IPv4 addresses, and
+    (interface, gateway) of its default routes."""
+    trie = Path(f"/proc/{pid}/net/fib_trie").read_text().splitlines()
+    local = {trie[i - 1].split()[-1] for i, line in enumerate(trie) if "/32 host LOCAL" in line}
+    defaults = []
+    for line in Path(f"/proc/{pid}/net/route").read_text().splitlines()[1:]:
+        iface, dest, gateway = line.split()[:3]
+        if dest == "00000000":
+            defaults.append((iface, socket.inet_ntoa(int(gateway, 16).to_bytes(4, "little"))))
+    return local, defaults
+
+
+def _netns_fds(pid: int) -> set[str]:
+    found = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("net:"):
+            found.add(target)
+    return found
+
+
+@pytest.mark.parametrize("index_taken", [False, True], ids=["fresh", "ifindex-2-taken"])
+def test_plug_with_prepared_messages(index_taken: bool) -> None:
+    async def scenario(pid: int) -> None:
+        async with _network() as net:
+            reply = await _plug(net, pid, 7)
+            local, defaults = _inside(pid)
+            assert str(SUBNET.network_address + 7) in local, local
+            assert defaults == [("eth0", net.gateway)], defaults
+            assert set(reply["steps"]) == {"decode", "veth", "setns_in", "socket",
+                                           "configure", "setns_out"}
+            child_ns = f"net:[{os.stat(f'/proc/{pid}/ns/net').st_ino}]"
+            assert child_ns not in _netns_fds(net.helper.proc.pid), \
+                "the helper still holds the child's namespace after the plug"
+    with _holder(index_taken) as holder:
+        asyncio.run(scenario(holder.pid))
+
+
+def test_sequence_numbers_are_stamped_per_message() -> None:
+    batch = netlink_msgs.configure(2, "10.251.0.9", 24, "10.251.0.1")
+    data, seqs = batch.stamp(41)
+    assert seqs == [41, 42, 43]
+    offset, seen = 0, []
+    while offset < len(data):
+        length = int.from_bytes(data[offset:offset + 4], "little")
+        seen.append(int.from_bytes(data[offset + 8:offset + 12], "little"))
+        offset += length
+    assert seen == seqs and offset == len(data)
+    assert int.from_bytes(batch.data[8:12], "little") == 0  # the prepared bytes stay as they are
+
+
+def test_a_failed_message_of_a_batch_is_reported() -> None:
+    """An address on a link that does not exist: the batch's error comes back as such."""
+    async def scenario(pid: int) -> None:
+        async with _network() as net:
+            port, mac = f"{net.port_prefix}9", "02:bb:0a:fb:00:09"
+            wire = netlink_msgs.PlugMessages(
+                netlink_msgs.veth(port, net.bridge_index, mac),
+                netlink_msgs.configure(99, "10.251.0.9", 24, net.gateway))
+            fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            with pytest.raises(NetworkError, match="No such device"):
+                await net.plug(port, mac, "10.251.0.9", wire, fd)
+    with _holder(False) as holder:
+        asyncio.run(scenario(holder.pid))
