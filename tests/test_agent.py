@@ -434,8 +434,8 @@ def test_background_command_wait_and_ps(agent: AgentProcess, fifo: Path) -> None
         "pid"
     ]
     assert agent.call("ps")["commands"] == [
-        {"pid": pid, "cmd": f"echo hi; cat {fifo} >/dev/null; echo bye >&2", "running": True}
-        | {"exit_code": None}
+        {"pid": pid, "cmd": f"echo hi; cat {fifo} >/dev/null; echo bye >&2", "running": True,
+         "exit_code": None, "stdin": False, "pty": False}
     ]
     assert agent.error("wait", pid=pid, timeout=0.1)["type"] == "Timeout"
     rid = agent.send("wait", pid=pid)  # answered from the loop once the command exits

@@ -63,6 +63,15 @@ def test_exec_streams_cwd_env_and_exit_codes(sandbox) -> None:
     assert r.stdout == "/tmp\nhi\n"
 
 
+def test_exec_argv_with_empty_arguments(sandbox) -> None:
+    """An empty argument is an argument (bb-init once took it for the end of argv)."""
+    r = sandbox.exec(["printf", "[%s]", "", "x", ""], env={"EMPTY": ""})
+    assert (r.stdout, r.exit_code) == ("[][x][]", 0)
+    assert sandbox.exec(["sh", "-c", 'echo "${EMPTY-unset}"'], env={"EMPTY": ""}).stdout == "\n"
+    with pytest.raises(CommandNotFound):
+        sandbox.exec([""])
+
+
 def test_background_command(sandbox) -> None:
     handle = sandbox.exec("sleep 0.3; echo done", background=True)
     assert handle.wait().stdout == "done\n"

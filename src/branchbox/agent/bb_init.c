@@ -87,31 +87,35 @@ static void q_init(const char *proc_dir, int status_w) {
     }
 }
 
-/* Split a request into cwd, argv and envp (pointers into buf); 0 if malformed. */
+/* Split a request (cwd, argc in decimal, argc arguments, then KEY=VALUE strings, each
+ * NUL-terminated) into cwd, argv and envp (pointers into buf); 0 if malformed. The count,
+ * not an empty string, ends argv: an empty argument is a legitimate one. */
 static int parse(char *buf, size_t len, char **cwd, char ***argv, char ***envp) {
     if (len == 0 || buf[len - 1] != '\0')
         return 0;
     size_t count = 0;
     for (size_t i = 0; i < len; i++)
         count += buf[i] == '\0';
-    if (count > MAX_STRINGS)
-        return 0;
-    char **list = calloc(count + 2, sizeof(char *));
-    if (!list)
+    if (count < 3 || count > MAX_STRINGS)
         return 0;
     char *p = buf, *end = buf + len;
     *cwd = p;
     p += strlen(p) + 1;
+    char *digits_end;
+    errno = 0;
+    unsigned long argc = strtoul(p, &digits_end, 10);
+    if (errno || *p < '0' || *p > '9' || *digits_end != '\0' || argc == 0 ||
+        argc > count - 2)
+        return 0;
+    p = digits_end + 1;
+    char **list = calloc(count + 2, sizeof(char *));
+    if (!list)
+        return 0;
     size_t n = 0;
     *argv = list;
-    while (p < end && *p)
+    for (unsigned long i = 0; i < argc; i++)
         list[n++] = p, p += strlen(p) + 1;
-    if (n == 0 || p >= end) {
-        free(list);
-        return 0;
-    }
     list[n++] = NULL;
-    p++; /* the empty string that ends argv */
     *envp = list + n;
     while (p < end)
         list[n++] = p, p += strlen(p) + 1;

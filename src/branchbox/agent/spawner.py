@@ -41,8 +41,9 @@ class Spawned:
 
 
 def _request(argv: list[str], cwd: str, env: dict[str, str]) -> bytes:
-    """The request text; ValueError where Popen would raise it (NUL, "=" in a name)."""
-    parts = [cwd, *argv, ""]
+    """The request text (cwd, argc, the arguments, the environment; bb-init's ``parse``);
+    ValueError where Popen would raise it (NUL, "=" in a name)."""
+    parts = [cwd, str(len(argv)), *argv]
     for key, value in env.items():
         if "=" in key or not key:
             raise ValueError(f"illegal environment variable name: {key!r}")
