@@ -112,6 +112,7 @@ async def until_gone(events: AsyncIterator[T], limit: float | None = None) -> As
     loop = asyncio.get_running_loop()
     deadline = None if limit is None else loop.time() + limit
     waiter = asyncio.ensure_future(gone.wait()) if gone is not None else None
+    step: asyncio.Future | None = None
     try:
         while True:
             step = asyncio.ensure_future(anext(events))
@@ -136,6 +137,15 @@ async def until_gone(events: AsyncIterator[T], limit: float | None = None) -> As
     finally:
         if waiter is not None:
             waiter.cancel()
+        if step is not None and not step.done():
+            # This generator was cancelled (its consumer's task: a streaming response whose
+            # client hung up) while it waited: the pending step still runs ``events``, which
+            # cannot be closed while running ("aclose(): asynchronous generator is already
+            # running"), and the request in the sandbox would never be abandoned.
+            step.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration,
+                                     errors.EngineError):
+                await step
         await events.aclose()  # type: ignore[attr-defined]
 
 
