@@ -38,7 +38,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 
-from . import entry, protocol, sysc
+from . import entry, huge_heap, protocol, sysc
 
 _OPEN_FLAGS_KEPT = ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC | 0o2000000)  # and not O_CLOEXEC
 _O_CLOEXEC = 0o2000000
@@ -90,6 +90,7 @@ STATE = _State()
 
 def boot(ctrl_fd: int, spawner_fd: int) -> None:
     """Entry point of a family's first REPL, right after exec into the image's python3."""
+    huge_heap.strip_environ()  # before any user code sees os.environ
     STATE.spawner = spawner_fd
     for fd in (ctrl_fd, spawner_fd):
         os.set_inheritable(fd, False)

@@ -11,11 +11,11 @@ import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 from rich.progress import Progress, TaskID
 
+from branchbox.runtime import smaps
 from branchbox.sdk import Sandbox
 
 T = TypeVar("T")
@@ -77,16 +77,7 @@ def timed(
 
 def rollup_mib(pids: Iterable[int], fields: tuple[str, ...]) -> float:
     """The sum of ``fields`` of /proc/PID/smaps_rollup over these host processes, in MiB."""
-    kib = 0
-    for pid in pids:
-        try:
-            text = Path(f"/proc/{pid}/smaps_rollup").read_text()
-        except OSError:  # exited since it was listed
-            continue
-        kib += sum(
-            int(line.split()[1]) for line in text.splitlines() if line.split(":")[0] in fields
-        )
-    return kib / 1024
+    return smaps.rollup_kib(pids, fields) / 1024
 
 
 def sandbox_pss_mib(sandbox: Sandbox) -> float:

@@ -47,7 +47,7 @@ from branchbox.engine.run_guard import (
 from branchbox.engine.stopped import Stopped, StoppedSandboxes, describe
 from branchbox.engine.warm import WarmPool
 from branchbox.engine.workspaces import Workspaces
-from branchbox.runtime import rootfs
+from branchbox.runtime import rootfs, smaps
 from branchbox.runtime.cgroups import Limits, SandboxCgroup, favor_dynamic_moves
 from branchbox.runtime.channel import AgentChannel, AgentError, interrupt_repl
 from branchbox.runtime.family import spawn_family
@@ -213,6 +213,9 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
                 "pids": sb.body.cgroup.pids_current(),
                 "cpu_seconds": sb.body.cgroup.cpu_seconds(),
                 "host_pids": sb.body.cgroup.pids(),
+                # > 0 when the REPL's heap is on 2 MiB pages (agent/huge_heap.py)
+                "repl_anon_huge_bytes": smaps.rollup_kib(
+                    sb.body.cgroup.leaf_pids("repl"), ("AnonHugePages",)) << 10,
             }
         children = [c.id for c in self.live.values() if c.record.parent_id == rec.id]
         return {

@@ -33,7 +33,7 @@ import os
 import signal
 import sys
 
-from branchbox.agent import confine, entry, sysc
+from branchbox.agent import confine, entry, huge_heap, sysc
 
 AGENT_BOOT = (
     "import sys; sys.path.insert(0, '/.branchbox'); "
@@ -66,7 +66,8 @@ def _first_repl(spec: dict, status_w: int) -> None:
         code = AGENT_BOOT.format(ctrl=spec["ctrl_fd"], spawner=spawner)
         # argv[0] is the full path: Python finds its venv (the image's /opt/venv) from it,
         # not from a PATH the sandbox's env may have replaced.
-        os.execve(spec["python"], [spec["python"], "-c", code], spec["env"])
+        # Looked up inside the sandbox's root: the image decides whether it has mimalloc.
+        os.execve(spec["python"], [spec["python"], "-c", code], huge_heap.repl_env(spec["env"]))
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the daemon
         os.write(status_w, f"sandbox entry failed: {type(exc).__name__}: {exc}".encode())
         os._exit(1)

@@ -80,10 +80,13 @@ KNOWN_IMAGES: dict[str, ImageSpec] = {
             "procps",
             "iproute2",
             "ca-certificates",
+            # mimalloc backs the REPL's heap with 2 MiB pages: a fork copies one page
+            # table entry per huge page instead of 512 (runtime/huge_heap.py).
+            "libmimalloc2.0",
         ),
         venv="/opt/venv",
         pip_packages=("numpy", "pandas", "matplotlib", "scipy", "requests", "pytest"),
-        version=3,
+        version=4,
     ),
 }
 
