@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import Harness
 
 from branchbox import Sandbox
 
@@ -92,3 +93,16 @@ def test_an_image_without_mimalloc_keeps_pymalloc(harness, make) -> None:
         sb.close()
     finally:
         Sandbox.remove_image("no-mimalloc", transport=harness.transport())
+
+
+def test_a_daemon_started_with_the_switch_off_keeps_pymalloc(monkeypatch) -> None:
+    monkeypatch.setenv("BRANCHBOX_HUGE_HEAP", "off")  # the daemon's (this process's) env
+    harness = Harness("copy")
+    try:
+        with harness.sandbox() as sb:
+            sb.run_code(ALLOCATE)
+            assert not repl_maps_mimalloc(sb)
+            assert sb.info()["resources"]["repl_anon_huge_bytes"] == 0
+            assert leaked(sb.exec("env").stdout) == []
+    finally:
+        harness.stop()

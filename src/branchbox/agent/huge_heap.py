@@ -11,6 +11,8 @@ only when the sandbox's root has the library and the sandbox's env sets none of 
 itself; it names what it added in ``MARKER``. The REPL removes exactly those at boot,
 before any user code, so ``os.environ``, commands and subprocesses carry no preload.
 An image without the library (a Debian suite, a Dockerfile build) keeps pymalloc.
+A daemon started with ``BRANCHBOX_HUGE_HEAP=off`` keeps pymalloc everywhere (to
+compare, or on a kernel whose huge pages misbehave).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def library() -> str | None:
 def repl_env(env: dict[str, str]) -> dict[str, str]:
     """``env`` plus the allocator variables, when the root has mimalloc and ``env``
     does not already choose a preload or an allocator (the user's choice wins)."""
-    lib = library()
+    lib = None if os.environ.get(MARKER) == "off" else library()  # the daemon's env
     added = {"LD_PRELOAD": lib, "PYTHONMALLOC": "malloc", "MIMALLOC_LARGE_OS_PAGES": "1"}
     if lib is None or any(name in env for name in (*added, MARKER)):
         return env

@@ -14,6 +14,7 @@ from branchbox.sdk import InvalidRequest, Sandbox
 
 TITLE = "fork(n) against the floor"
 PAUSE_TITLE = "parent REPL paused during fork(n)"
+HUGE_TITLE = "parent REPL heap on 2 MiB pages (AnonHugePages)"
 SERVER_LIMIT = 32  # the server's default largest n per call (API.md)
 
 
@@ -43,9 +44,18 @@ def run(ctx: Context) -> list[Row]:
         ctx.step(f"parent building {megabytes} MiB of state")
         with ctx.sandbox() as parent:
             parent.run_code(ballast_code(megabytes), timeout=600)
+            rows.append(_huge_pages(parent, megabytes))
             for n in ctx.pick((1, 5, 32), (1, 5, 32, 100)):
                 rows += _cell(ctx, parent, megabytes, n)
     return rows
+
+
+def _huge_pages(parent: Sandbox, megabytes: int) -> Row:
+    """How much of the parent REPL's memory is on huge pages: a fork copies one page
+    table entry per 2 MiB of it instead of 512 (agent/huge_heap.py)."""
+    huge = parent.info()["resources"].get("repl_anon_huge_bytes", 0)
+    return Row(f"parent holding {megabytes} MiB", [huge / (1 << 20)], "MiB", table=HUGE_TITLE,
+               params={"parent_mb": megabytes, "kind": "anon_huge"})
 
 
 def _cell(ctx: Context, parent: Sandbox, megabytes: int, n: int) -> list[Row]:
