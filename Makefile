@@ -7,8 +7,9 @@ DATA_DIR ?= /var/lib/branchbox
 # libnftables1: the sandbox firewall (runtime.nft loads it with ctypes).
 APT_PACKAGES := debootstrap btrfs-progs gcc libc6-dev libnftables1
 # The /ui page's tests drive Debian's headless Chromium through its chromedriver; the
-# host-disk tests make a small ext4 filesystem (mkfs.ext4) to stand in for a full host disk.
-TEST_APT_PACKAGES := chromium chromium-driver e2fsprogs
+# host-disk tests make a small ext4 filesystem (mkfs.ext4) to stand in for a full host disk;
+# the speculate tests' candidates run pytest and httpx of the host's own python (image "host").
+TEST_APT_PACKAGES := chromium chromium-driver e2fsprogs python3-pytest python3-httpx
 
 .PHONY: run test soak system-deps test-deps image lint bench
 

@@ -2,8 +2,10 @@
 real daemon, on a small git repository whose pytest suite decides which fix is right.
 
 The repository carries nothing but its code and tests. The branches run on image "host" (the
-default of these commands): pytest and the package the tests import come from this host's own
-virtualenv (its interpreter under a home directory), installed in no image and vendored nowhere.
+default of these commands): pytest and the package the tests import (httpx) come from this host's
+own Debian python (``make test`` installs python3-pytest and python3-httpx), installed in no image
+and vendored nowhere. Not the project's virtualenv: a clean clone may live under /tmp, which a
+host sandbox gets its own of.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ from test_sdk_sandbox import connected, make_data_dir, serve_daemon  # noqa: F40
 pytestmark = pytest.mark.usefixtures("connected")
 
 BUGGY = "def add(a, b):\n    return a - b\n"
-# httpx: in this host's virtualenv (a branchbox dependency), in no image.
+# httpx: in this host's Debian python (the Makefile's test packages), in no image.
 TESTS = ("import httpx\nfrom calc import add\n\n\ndef test_add():\n"
          "    assert httpx.URL('http://x/').host == 'x'\n    assert add(2, 3) == 5\n")
-PYTEST = f"PYTHONDONTWRITEBYTECODE=1 {sys.executable} -m pytest -q -p no:cacheprovider"
+PYTEST = "PYTHONDONTWRITEBYTECODE=1 /usr/bin/python3 -m pytest -q -p no:cacheprovider"
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +82,13 @@ def test_speculate_commits_the_first_passing_fix(repo) -> None:
 
 
 def test_the_fix_passes_only_with_the_hosts_toolchain(repo) -> None:
-    # The same passing fix on the default image: this host's interpreter is not there.
+    # The same passing fix on the default image: its Debian python has no pytest.
     done = branchbox("speculate", "-C", str(repo), "--image", "default", "--json",
                      "-c", f"{fix('a + b')} && {PYTEST}")
     assert done.returncode == 1, done.stdout
-    assert json.loads(done.stdout)["candidates"][0]["exit_code"] == 127
+    candidate = json.loads(done.stdout)["candidates"][0]
+    assert candidate["exit_code"] == 1
+    assert "No module named pytest" in candidate["stdout"] + candidate["stderr"]
 
 
 def test_speculate_without_a_passing_fix_leaves_the_repository(repo) -> None:
