@@ -58,11 +58,13 @@ class FileNotFound(SandboxError, FileNotFoundError):
 
 
 class SandboxTimeout(SandboxError, TimeoutError):
-    """The run was interrupted; the REPL and its variables are still there. ``result``
-    (an Execution or CommandResult) holds what it printed before it was stopped, when the
-    server sent that."""
+    """The call ran out of time. A run its interrupt stopped keeps the REPL and its
+    variables; one that ignored the interrupt had the sandbox's processes killed (the
+    message says so, and later calls get ReplGone). ``result`` (an Execution or
+    CommandResult) holds what it printed before it was stopped, when the server sent that."""
 
-    hint = "the REPL state is kept; pass a larger timeout= or split the work"
+    hint = ("pass a larger timeout= or split the work (the REPL state is kept unless the "
+            "message says its processes were killed)")
     result: Any = None
 
 
