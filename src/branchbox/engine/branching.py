@@ -50,15 +50,9 @@ class Branching:
             raise errors.InvalidRequest(f"n must be between 1 and {self.config.max_fork}")
         parent = self.get(sandbox_id)
         await self._acquire(parent, self.config.busy_wait)
-        deadline = self.config.fork_deadline
         try:
             channel = self._check_alive(parent)
-            async with asyncio.timeout(deadline):  # the parent is frozen and locked meanwhile
-                return await self._fork_locked(parent, channel, n)
-        except TimeoutError:
-            raise errors.SandboxTimeout(
-                f"fork of {sandbox_id} did not finish within {deadline:g} s (its REPL did not "
-                "answer); no child was made and its commands run again") from None
+            return await self._fork_locked(parent, channel, n)
         except FreezeFailed as exc:  # no frozen instant to fork from: nothing was made
             raise errors.Conflict(f"fork failed: {exc}") from None
         finally:
@@ -73,10 +67,24 @@ class Branching:
                             took=parent.last_fork["total"])
         return children
 
-    async def _fork_bodies(self, pbody: Body, channel: AgentChannel, meta: dict, n: int, *,
-                           timings: Live | None = None,
-                           thaw_cmds: bool = True,
-                           network: bool = True) -> list[tuple[str, Body]]:
+    async def _fork_bodies(self, pbody: Body, channel: AgentChannel, meta: dict, n: int,
+                           **options) -> list[tuple[str, Body]]:
+        """:meth:`_fork_bodies_now` within the daemon's fork deadline: the forked body is
+        frozen and its sandbox locked meanwhile, whichever call (fork, checkpoint, a fork of
+        a checkpoint, restore) forks it."""
+        deadline = self.config.fork_deadline
+        try:
+            async with asyncio.timeout(deadline):
+                return await self._fork_bodies_now(pbody, channel, meta, n, **options)
+        except TimeoutError:
+            raise errors.SandboxTimeout(
+                f"a fork did not finish within {deadline:g} s (the REPL did not answer); "
+                "nothing was made") from None
+
+    async def _fork_bodies_now(self, pbody: Body, channel: AgentChannel, meta: dict, n: int,
+                               *, timings: Live | None = None,
+                               thaw_cmds: bool = True,
+                               network: bool = True) -> list[tuple[str, Body]]:
         """``n`` new bodies forked from ``pbody`` (whose REPL is ``channel``), each with a
         fresh id and its network attached under policy ``meta["network"]``; not adopted.
 
