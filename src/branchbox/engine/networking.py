@@ -207,7 +207,7 @@ class SandboxNetwork:
         if policy is not None:
             self.apply([winner_key], policy)
         fd = None
-        for pid in cgroup.pids():
+        for pid in cgroup.leaf_pids("repl"):  # the REPL's, not a command's own namespace
             with contextlib.suppress(OSError):
                 fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
                 break

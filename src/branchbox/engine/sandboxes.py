@@ -454,9 +454,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         if op == "run_code":
             interrupt_repl(body.cgroup, op)
         elif op in ("exec", "follow") and body.channel is not None:
-            task = asyncio.get_running_loop().create_task(self._cancel(body.channel, rid))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._track(asyncio.get_running_loop().create_task(self._cancel(body.channel, rid)))
 
     @staticmethod
     async def _cancel(channel: AgentChannel, rid: int) -> None:
@@ -484,9 +482,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
 
     def _expire(self, sandbox_id: str) -> None:
         """A sandbox's timeout ran out: close it (stop() waits for closes under way)."""
-        task = asyncio.get_running_loop().create_task(self._close_quietly(sandbox_id))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._track(asyncio.get_running_loop().create_task(self._close_quietly(sandbox_id)))
 
     async def _close_quietly(self, sandbox_id: str) -> None:
         with contextlib.suppress(errors.EngineError):
@@ -522,9 +518,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
 
     def _retire(self, body: Body) -> None:
         """Destroy a body in the background (stop() waits for it)."""
-        task = asyncio.get_running_loop().create_task(self._destroy_body(body))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._track(asyncio.get_running_loop().create_task(self._destroy_body(body)))
 
     async def _destroy_body(self, body: Body, *, keep_files: bool = False) -> None:
         """Kill, disconnect and free a body; each step runs even if an earlier one failed.
