@@ -110,6 +110,23 @@ def test_threads_at_fork_time_are_reported(sandbox) -> None:
     child.close()
 
 
+def test_fork_while_repl_threads_run_python(sandbox, harness, monkeypatch) -> None:
+    """Threads busy in Python at the fork instant: every child comes up and answers.
+    (The raw clone once ran with the GIL released, so a busy thread took it and each
+    child waited on the way back into Python for a thread it does not have.)"""
+    monkeypatch.setattr(harness.engine.config, "fork_deadline", 15.0)
+    sandbox.run_code("import threading\n"
+                     "def spin():\n"
+                     "    while True:\n"
+                     "        junk = [bytearray(5000) for _ in range(50)]\n"
+                     "for _ in range(2):\n"
+                     "    threading.Thread(target=spin, daemon=True).start()")
+    for _ in range(6):
+        kids = sandbox.fork(2)
+        assert [k.run_code("6 * 7").text for k in kids] == ["42", "42"]
+        close_all(kids)
+
+
 def test_n_is_validated_and_nothing_is_created(sandbox, harness) -> None:
     before = len(harness.engine.live)
     for n in (0, 33, -1):

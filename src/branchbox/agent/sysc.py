@@ -15,6 +15,11 @@ import struct
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
+# The same libc through PyDLL, whose calls keep the GIL: a CDLL call releases it, so
+# during a raw clone another REPL thread could take it, and the child (which has only
+# the calling thread) would wait for that thread for ever on its way back into Python.
+_libc_gil_held = ctypes.PyDLL(None, use_errno=True)
+_libc_gil_held.syscall.restype = ctypes.c_long
 
 # x86-64 syscall numbers (arch/x86/entry/syscalls/syscall_64.tbl)
 _SYS_CLONE = 56
@@ -168,8 +173,9 @@ def fsmount(fs_fd: int, attr_flags: int = 0) -> int:
 
 
 def clone_fork(flags: int) -> int:
-    """Raw clone(2) with fork semantics (no new stack); returns pid, 0, or -errno."""
-    ret = _libc.syscall(_SYS_CLONE, ctypes.c_ulong(flags), None, None, None, None)
+    """Raw clone(2) with fork semantics (no new stack); returns pid, 0, or -errno.
+    Called with the GIL held throughout, as os.fork() does."""
+    ret = _libc_gil_held.syscall(_SYS_CLONE, ctypes.c_ulong(flags), None, None, None, None)
     return -ctypes.get_errno() if ret < 0 else ret
 
 
