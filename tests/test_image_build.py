@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import shutil
 import stat
 import tarfile
 import threading
@@ -164,7 +163,7 @@ def test_images_survive_a_restart_of_the_daemon(tmp_path) -> None:
         source.save_image("kept-saved")
         source.close()
     finally:
-        first.stop()
+        first.stop(keep_data=True)
     again = Harness("btrfs", first.data_dir)
     try:
         for image, path, data in (("kept-built", "/built", b"built\n"),
@@ -175,7 +174,6 @@ def test_images_survive_a_restart_of_the_daemon(tmp_path) -> None:
         remove(again, "kept-built", "kept-saved")
     finally:
         again.stop()
-        shutil.rmtree(first.data_dir, ignore_errors=True)
 
 
 def test_a_bad_spec_or_name_is_refused_before_anything_runs(harness) -> None:
