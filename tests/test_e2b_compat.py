@@ -531,6 +531,7 @@ def test_bad_input_is_refused_never_a_server_error(daemon: ServedDaemon) -> None
                     ("/filesystem.Filesystem/Stat", {"path": "/a\u0000b"}),
                     ("/filesystem.Filesystem/Stat", [1, 2]),
                     ("/filesystem.Filesystem/Stat", "{"),
+                    ("/filesystem.Filesystem/Stat", "[" * 100_000),  # past the parser's depth
                     ("/filesystem.Filesystem/Stat", {"path": "/no/such/file"}),
                     ("/execute", {"code": 5}),
                     ("/execute", {"code": "1", "language": "r"}),

@@ -103,6 +103,8 @@ def _message(data: bytes) -> dict:
         message = json.loads(data)
     except ValueError as exc:
         raise RpcError("invalid_argument", f"invalid JSON: {exc}") from None
+    except RecursionError:  # "[[[[..." past the parser's depth: a 400, not our 500
+        raise RpcError("invalid_argument", "invalid JSON: nested too deeply") from None
     if not isinstance(message, dict):
         raise RpcError("invalid_argument", "a message must be a JSON object")
     return message
