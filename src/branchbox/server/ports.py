@@ -9,7 +9,14 @@ the host, which the firewall lets in (a sandbox answers; it never opens a
 connection to the host).
 
 The path after ``/ports/{port}`` and the query go to the sandbox as they came;
-hop-by-hop headers and ``Authorization`` (the daemon's key, not the app's) do not.
+hop-by-hop headers and the daemon's credentials do not: ``Authorization``,
+E2B's ``X-API-Key`` and access tokens, and the live page's key cookie (a
+browser sends it here too: it is scoped to the daemon's origin, which this path
+shares). For the same reason a page served from here is run as its own opaque
+origin (``Content-Security-Policy: sandbox``): its scripts must not call the
+daemon's API with the cookie of an operator who opened it, and it may not set
+that cookie. What a sandbox sends back is bounded like everything else from it:
+a WebSocket message larger than ``WS_MAX_MESSAGE`` closes the relay (1009).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from starlette.background import BackgroundTask
 from branchbox.engine import errors
 from branchbox.engine.sandboxes import Engine
 from branchbox.server.deps import EngineDep
+from branchbox.server.ui.session import COOKIE
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["ports"])
 # WebSocket routes check the key themselves (the app-wide check takes a Request), so they
@@ -36,7 +44,12 @@ ws_router = APIRouter(prefix="/v1/sandboxes", tags=["ports"])
 _METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 # RFC 9110 7.6.1 connection-specific headers, plus ours: never forwarded either way.
 _HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-        "trailer", "transfer-encoding", "upgrade", "host", "authorization"}
+        "trailer", "transfer-encoding", "upgrade", "host"}
+_CREDENTIALS = {"authorization", "x-api-key", "x-access-token", "e2b-traffic-access-token"}
+# Everything a page may do but be the daemon's origin (no allow-same-origin).
+_PAGE_POLICY = (b"sandbox allow-scripts allow-forms allow-popups allow-modals "
+                b"allow-downloads")
+WS_MAX_MESSAGE = 16 << 20  # one message from the sandbox, held whole by the relay
 _TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=60.0, pool=10.0)
 
 
@@ -71,7 +84,7 @@ async def proxy_http(sandbox_id: str, port: int, request: Request, engine: Engin
                      path: str = "") -> StreamingResponse:
     """Forward the request to ``port`` in the sandbox and stream the answer back."""
     url = f"http://{_target(engine, sandbox_id, port)}/{path}"
-    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP]
+    headers = _forwarded(request.headers.items())
     client = _client(request)
     # A body only when the request has one: an empty chunked body on a GET is bytes a
     # simple server never reads, and closing with unread bytes resets the connection.
@@ -86,12 +99,37 @@ async def proxy_http(sandbox_id: str, port: int, request: Request, engine: Engin
                               f"{type(exc).__name__}") from None
     response = StreamingResponse(reply.aiter_raw(), status_code=reply.status_code,
                                  background=BackgroundTask(reply.aclose))
-    # Every header line as sent (several Set-Cookie stay several); uvicorn adds its own
-    # Date and Server, so the sandbox's would be second copies.
-    response.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
-                            for k, v in reply.headers.multi_items()
-                            if k.lower() not in _HOP and k.lower() not in ("date", "server")]
+    response.raw_headers = _returned(reply.headers.raw)
     return response
+
+
+def _forwarded(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The request's headers the sandbox may see: not hop-by-hop ones, not the daemon's
+    credentials, and the cookie header without the live page's key."""
+    kept = []
+    for name, value in headers:
+        name = name.lower()
+        if name in _HOP or name in _CREDENTIALS:
+            continue
+        if name == "cookie":
+            value = "; ".join(c for c in (p.strip() for p in value.split(";"))
+                              if c and c.split("=", 1)[0].strip() != COOKIE)
+            if not value:
+                continue
+        kept.append((name, value))
+    return kept
+
+
+def _returned(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The sandbox's answer headers as sent (several Set-Cookie stay several), as bytes
+    (whatever their charset), without hop-by-hop ones, uvicorn's own Date and Server,
+    or a cookie of the daemon's name; plus the opaque-origin policy."""
+    cookie = COOKIE.encode() + b"="
+    kept = [(name.lower(), value) for name, value in raw
+            if name.lower().decode("latin-1") not in _HOP
+            and name.lower() not in (b"date", b"server")
+            and not (name.lower() == b"set-cookie" and value.lstrip().startswith(cookie))]
+    return [*kept, (b"content-security-policy", _PAGE_POLICY)]
 
 
 async def _key_ok(ws: WebSocket) -> bool:
@@ -123,7 +161,8 @@ async def proxy_websocket(ws: WebSocket, sandbox_id: str, port: int, path: str =
                     if p.strip()]
     try:
         upstream = await websockets.connect(url, subprotocols=subprotocols or None,
-                                            open_timeout=10, max_size=None, proxy=None)
+                                            open_timeout=10, max_size=WS_MAX_MESSAGE,
+                                            max_queue=4, proxy=None)
     except (TimeoutError, OSError, websockets.WebSocketException):
         await ws.close(code=1011, reason=f"nothing answers on port {port} in the sandbox")
         return
