@@ -217,3 +217,26 @@ def test_deny_entries_are_checked(tmp_path: Path) -> None:
     listing = tmp_path / "deny"
     listing.write_text("# ours\n/srv/secrets/*\n\n~/.config/tokens\n")
     assert host_mask.read_deny_file(listing) == ["/srv/secrets/*", "~/.config/tokens"]
+
+
+def test_the_daemons_key_file_is_hidden_from_host_sandboxes() -> None:
+    """`serve --api-keys FILE`: a key file outside the data directory (where an operator
+    keeps secrets, e.g. /etc) is masked like the default deny list."""
+    from served import ServedDaemon
+
+    key = secrets.token_hex(16)
+    key_file = Path(f"/etc/bb-test-keys-{secrets.token_hex(4)}")
+    key_file.write_text(key + "\n")
+    key_file.chmod(0o644)  # even world-readable on the host
+    env = {k: v for k, v in os.environ.items() if k != "BRANCHBOX_API_KEY"}
+    daemon = None
+    try:
+        daemon = ServedDaemon("hostkeys", env, "--storage", "btrfs", "--api-keys", str(key_file))
+        with Sandbox(url=daemon.url, api_key=key, image="host") as sb:
+            seen = sb.exec(f"cat {key_file}; ls /etc | grep -c bb-test-keys-")
+            assert key not in seen.stdout and seen.stdout.split()[-1] == "0", seen
+            assert sb.exec("test -r /etc/hostname && echo visible").stdout == "visible\n"
+    finally:
+        if daemon is not None:
+            daemon.stop()
+        key_file.unlink()

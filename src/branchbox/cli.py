@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import glob
 import json
 import os
 import shlex
@@ -159,6 +160,8 @@ def serve(
         deny += read_deny_file(host_deny_file) if host_deny_file else []
     except (OSError, ValueError) as exc:
         fail(str(exc))
+    if api_keys is not None:  # image 'host' shows the host's files: never the daemon's keys
+        deny.append(glob.escape(str(api_keys.absolute())))
     if deny:
         os.environ["BRANCHBOX_HOST_DENY"] = os.pathsep.join(deny)
     try:
