@@ -317,9 +317,14 @@ def _mount_store(image: Path, mountpoint: Path) -> str:
     try:
         if not loopback.has_btrfs_signature(image):
             loopback.format_btrfs(image, label="branchbox")
-        # No write barriers: the store holds only the layers of live sandboxes, which die
-        # with the daemon and which a restarted daemon deletes, and a barrier (a flush of
-        # the backing file) is most of what a snapshot costs: 0.6 ms without, 2-3 ms with.
+        # No write barriers: a barrier is a flush of the backing file at every
+        # transaction commit, and every snapshot (each fork child's) commits one:
+        # measured 1.8-3.2 ms a snapshot without, 3.0-4.3 ms with. The price: the store
+        # now also holds files that outlive the daemon (stopped sandboxes, saved and
+        # built images), and after a host crash or power loss (not a daemon crash, nor
+        # a clean reboot, which flushes) its btrfs may not mount again; the daemon then
+        # refuses it and says so (store_health). Workspace commits go to the host's own
+        # filesystem with syncfs and do not depend on this.
         # discard=async: blocks btrfs frees are punched out of the image in the
         # background, so the image gives the host back what sandboxes deleted.
         return loopback.mount_image(image, mountpoint, "btrfs", "nobarrier,discard=async")
