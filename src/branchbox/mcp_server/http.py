@@ -27,14 +27,19 @@ MCP_PATH = "/mcp"
 
 
 class RequireKey:
-    """Every HTTP request needs one of ``keys``; lifespan events pass through."""
+    """Every request needs one of ``keys``; lifespan events alone pass through (a
+    WebSocket is refused outright: the MCP app serves none, and nothing unchecked
+    may reach it)."""
 
     def __init__(self, app: ASGIApp, keys: Iterable[str]) -> None:
         self.app = app
         self.keys = frozenset(keys)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        if scope["type"] != "lifespan":
             headers = dict(scope["headers"])
             authorization = headers.get(b"authorization", b"").decode("latin-1")
             if not key_accepted(self.keys, authorization):
