@@ -21,6 +21,7 @@ import uvicorn
 from mcp.server import Server
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from branchbox.server.address import tcp_listener
 from branchbox.server.keys import key_accepted
 
 MCP_PATH = "/mcp"
@@ -73,7 +74,7 @@ async def serve_http(server: Server[Any], host: str, port: int, keys: Iterable[s
         raise ValueError("the MCP server over HTTP needs at least one API key")
     app = RequireKey(server.streamable_http_app(streamable_http_path=MCP_PATH, host=host), keys)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, port), family=family)
+    sock = tcp_listener(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
     runner = uvicorn.Server(uvicorn.Config(app, timeout_graceful_shutdown=10,

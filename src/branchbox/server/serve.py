@@ -26,7 +26,7 @@ import uvicorn
 
 from branchbox.engine.config import DEFAULT_DATA_DIR, EngineConfig
 from branchbox.engine.sandboxes import Engine
-from branchbox.server.address import DEFAULT_HOST, DEFAULT_PORT, socket_path
+from branchbox.server.address import DEFAULT_HOST, DEFAULT_PORT, socket_path, tcp_listener
 from branchbox.server.app import DEFAULT_MAX_UPLOAD, create_app
 
 API_KEY_FILE = "api-key"
@@ -137,8 +137,7 @@ def _bind_unix(path: Path) -> socket.socket:
 
 def _bind_tcp(host: str, port: int) -> socket.socket:
     try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        return socket.create_server((host, port), family=family)
+        return tcp_listener(host, port)
     except OSError as exc:
         raise ServeError(f"cannot listen on {host}:{port}: {exc}") from exc
 
