@@ -127,6 +127,18 @@ def test_fork_while_repl_threads_run_python(sandbox, harness, monkeypatch) -> No
         close_all(kids)
 
 
+def test_a_fork_reports_where_its_time_went(sandbox) -> None:
+    """``info()["last_fork"]["phases"]``: the engine's steps in order, within its total
+    (the bench's profile of a fork reads them)."""
+    kids = sandbox.fork(2)
+    last = sandbox.info()["last_fork"]
+    phases = last["phases"]
+    assert list(phases) == ["freeze", "inherit", "slots", "children", "finish"]
+    assert all(v >= 0 for v in phases.values())
+    assert sum(phases.values()) <= last["total"] + 1e-6
+    close_all(kids)
+
+
 def test_n_is_validated_and_nothing_is_created(sandbox, harness) -> None:
     before = len(harness.engine.live)
     for n in (0, 33, -1):

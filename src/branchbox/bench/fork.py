@@ -1,6 +1,8 @@
 """fork(n) for n = 1, 5, 32, 100 of parents holding 0, 100 MiB and 1 GiB, each beside
-its floor (raw ``os.fork()`` n times of a plain process holding the same), and how
-long the parent's REPL is paused by each fork.
+its floor (raw ``os.fork()`` n times of a plain process holding the same), how
+long the parent's REPL is paused by each fork, and where a one-call fork's time
+goes: the engine's phases (``last_fork["phases"]``) and what is left outside the
+engine (SDK, HTTP, server).
 
 The time is the SDK call until every child is running; children are closed
 outside the timed span.
@@ -15,17 +17,18 @@ from branchbox.sdk import InvalidRequest, Sandbox
 TITLE = "fork(n) against the floor"
 PAUSE_TITLE = "parent REPL paused during fork(n)"
 HUGE_TITLE = "parent REPL heap on 2 MiB pages (AnonHugePages)"
+PHASES_TITLE = "where a fork's time goes (engine phases, then outside the engine)"
 SERVER_LIMIT = 32  # the server's default largest n per call (API.md)
 
 
-def fork_many(parent: Sandbox, n: int) -> tuple[list[Sandbox], float, int]:
+def fork_many(parent: Sandbox, n: int) -> tuple[list[Sandbox], dict, int]:
     """fork(n) in one call if the server allows it, else in calls of SERVER_LIMIT.
 
-    Returns the children, the parent's total REPL pause in seconds (as the
-    daemon reports it), and how many calls it took.
+    Returns the children, the daemon's ``last_fork`` (its ``repl_paused``: the
+    parent's REPL pause in seconds, summed over the calls), and how many calls it took.
     """
     try:
-        return parent.fork(n), parent.info()["last_fork"]["repl_paused"], 1
+        return parent.fork(n), parent.info()["last_fork"], 1
     except InvalidRequest:
         if n <= SERVER_LIMIT:
             raise
@@ -35,7 +38,7 @@ def fork_many(parent: Sandbox, n: int) -> tuple[list[Sandbox], float, int]:
     for size in sizes:
         kids += parent.fork(size)
         paused += parent.info()["last_fork"]["repl_paused"]
-    return kids, paused, len(sizes)
+    return kids, {"repl_paused": paused}, len(sizes)
 
 
 def run(ctx: Context) -> list[Row]:
@@ -63,12 +66,15 @@ def _cell(ctx: Context, parent: Sandbox, megabytes: int, n: int) -> list[Row]:
     reps = ctx.pick(2, 10 if n <= 5 else 5 if n <= SERVER_LIMIT else 3)
     ctx.step(f"fork({n}), parent holding {megabytes} MiB")
     pauses: list[float] = []
+    engine: list[dict] = []  # each one-call fork's last_fork
     calls = 1
 
     def fork_n() -> list[Sandbox]:
         nonlocal calls
-        kids, paused, calls = fork_many(parent, n)
-        pauses.append(1000 * paused)
+        kids, last, calls = fork_many(parent, n)
+        pauses.append(1000 * last["repl_paused"])
+        if "phases" in last:
+            engine.append(last)
         return kids
 
     samples = timed(fork_n, reps, close_all)
@@ -82,6 +88,7 @@ def _cell(ctx: Context, parent: Sandbox, megabytes: int, n: int) -> list[Row]:
     )
     return [
         floor,
+        *_phases(engine, samples, n, megabytes),
         Row(
             f"fork({n}), parent holding {megabytes} MiB",
             samples,
@@ -97,3 +104,18 @@ def _cell(ctx: Context, parent: Sandbox, megabytes: int, n: int) -> list[Row]:
             note=note,
         ),
     ]
+
+
+def _phases(engine: list[dict], samples: list[float], n: int, megabytes: int) -> list[Row]:
+    """One row per engine phase of these forks, and the rest of each call: the SDK, HTTP
+    and the server around the engine (the call's time less the engine's total)."""
+    if not engine or len(engine) != len(samples):
+        return []
+    point = f"fork({n}), parent holding {megabytes} MiB"
+    params = {"n": n, "parent_mb": megabytes}
+    rows = [Row(f"{point}: {name}", [1000 * last["phases"][name] for last in engine],
+                table=PHASES_TITLE, params={**params, "kind": f"phase_{name}"})
+            for name in engine[0]["phases"]]
+    outside = [ms - 1000 * last["total"] for ms, last in zip(samples, engine, strict=True)]
+    return [*rows, Row(f"{point}: SDK, HTTP, server", outside, table=PHASES_TITLE,
+                       params={**params, "kind": "phase_outside"})]

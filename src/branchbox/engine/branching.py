@@ -96,6 +96,14 @@ class Branching:
         the bodies without a port (a checkpoint never speaks; what is forked from it
         gets one). ``timings`` gets the fork's timings as its ``last_fork``."""
         started = time.perf_counter()
+        phases: dict[str, float] = {}  # where the fork's time went, in order (seconds)
+        mark = [started]
+
+        def phase(name: str) -> None:
+            now = time.perf_counter()
+            phases[name] = now - mark[0]
+            mark[0] = now
+
         pbody.cgroup.freeze("cmds")
         if os.environ.get(FORK_FAULT_ENV) == "frozen":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -113,10 +121,12 @@ class Branching:
                 fresh.append(await asyncio.to_thread(self.layers.squash, lowers))
                 lowers = [fresh[-1]]
             limits = self._limits(meta.get("memory_mb"))
+            phase("freeze")  # the commands frozen, the parent's layer frozen (a snapshot)
             if pbody.repl_host is None:  # a body keeps its REPL: look it up once
                 repl = await channel.call("ping")
                 pbody.repl_host = procfs.find_repl(pbody.cgroup.pids(), int(repl.get("pid") or 0))
             inherit = await asyncio.to_thread(procfs.inherited, pbody.repl_host)
+            phase("inherit")  # the REPL's fds and threads read from the host's /proc
             for _ in range(n):
                 sid, body = self._prepare_child(lowers, pbody.layers, limits)
                 made.append((sid, body))
@@ -128,12 +138,14 @@ class Branching:
                             else hello]
             batch_open = False
             forked = await channel.call("fork")
+            phase("slots")  # children's volumes and cgroups made, slots sent, REPL forked
             try:
                 answers = await asyncio.wait_for(asyncio.gather(*pending),
                                                  self.config.spawn_timeout)
             except TimeoutError:
                 raise errors.EngineError("fork failed: the children did not report within "
                                          f"{self.config.spawn_timeout:.0f} s") from None
+            phase("children")  # the children entering their sandboxes, hellos, networks
             for (_, body), hello in zip(made, answers[1::2], strict=True):
                 if hello.get("signal_listener") is not None:
                     await self._take_signal_listener(body, hello)
@@ -142,6 +154,7 @@ class Branching:
                 self.net.apply([body.key for _, body in made], meta.get("network")
                                or self.net.policy_of(None, None))
             policy_ns = time.perf_counter_ns() - policy_ns
+            phase("finish")  # signal listeners taken, egress policy applied
             if timings is not None:
                 steps = {"policy": policy_ns} if network else {}
                 for child in net_steps:
@@ -150,7 +163,8 @@ class Branching:
                 timings.last_fork = {"n": n, "repl_paused": forked.get("paused"),
                                      "total": time.perf_counter() - started,
                                      "network": sum(steps.values()) / 1e9,
-                                     "network_steps": {k: v / 1e9 for k, v in steps.items()}}
+                                     "network_steps": {k: v / 1e9 for k, v in steps.items()},
+                                     "phases": phases}
         except BaseException as exc:
             for coro in [*pending, *hellos]:
                 if asyncio.iscoroutine(coro):
