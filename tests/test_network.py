@@ -30,6 +30,7 @@ import httpx
 import pytest
 from conftest import Harness
 from pyroute2 import IPRoute, NetNS, netns
+from ws_scripts import HANDSHAKE
 
 from branchbox import Sandbox
 
@@ -380,19 +381,9 @@ def test_close_frees_the_link_and_rules(harness: Harness,
 
 
 # ------------------------------------------------------------------- the port proxy
-WS_ECHO = textwrap.dedent("""
-    import base64, hashlib, socket, struct, threading
-    GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
-
+WS_ECHO = HANDSHAKE + textwrap.dedent("""
     def serve(conn):
-        data = b""
-        while b"\\r\\n\\r\\n" not in data:
-            data += conn.recv(4096)
-        key = [line.split(b":", 1)[1].strip() for line in data.split(b"\\r\\n")
-               if line.lower().startswith(b"sec-websocket-key:")][0]
-        accept = base64.b64encode(hashlib.sha1(key + GUID).digest())
-        conn.sendall(b"HTTP/1.1 101 Switching Protocols\\r\\nUpgrade: websocket\\r\\n"
-                     b"Connection: Upgrade\\r\\nSec-WebSocket-Accept: " + accept + b"\\r\\n\\r\\n")
+        handshake(conn)
         f = conn.makefile("rb")
         while True:
             b1, b2 = f.read(2)

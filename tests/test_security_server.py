@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 import websockets
+from ws_scripts import HANDSHAKE
 
 from branchbox import Sandbox
 from branchbox.sdk._portal import portal
@@ -78,21 +79,12 @@ def test_the_proxy_keeps_the_daemons_credentials_from_the_sandbox(
     assert reply.headers.get_list("set-cookie") == ["app=1; Path=/"]
 
 
-WS_BIG = textwrap.dedent("""
-    import base64, hashlib, socket, struct, sys
-    GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+WS_BIG = HANDSHAKE + textwrap.dedent("""
     size = int(sys.argv[1])
     srv = socket.create_server(("0.0.0.0", 8765))
     while True:
         conn, _ = srv.accept()
-        data = b""
-        while b"\\r\\n\\r\\n" not in data:
-            data += conn.recv(4096)
-        key = [line.split(b":", 1)[1].strip() for line in data.split(b"\\r\\n")
-               if line.lower().startswith(b"sec-websocket-key:")][0]
-        accept = base64.b64encode(hashlib.sha1(key + GUID).digest())
-        conn.sendall(b"HTTP/1.1 101 Switching Protocols\\r\\nUpgrade: websocket\\r\\n"
-                     b"Connection: Upgrade\\r\\nSec-WebSocket-Accept: " + accept + b"\\r\\n\\r\\n")
+        handshake(conn)
         try:  # one binary message of `size` bytes, then a small one
             conn.sendall(b"\\x82\\x7f" + struct.pack(">Q", size))
             for _ in range(size // 65536):
