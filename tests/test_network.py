@@ -373,11 +373,47 @@ def test_close_frees_the_link_and_rules(harness: Harness,
     with IPRoute() as ipr:
         assert ipr.link_lookup(ifname=port.name)
     sb.close()
-    with IPRoute() as ipr:
-        assert not ipr.link_lookup(ifname=port.name)
-    assert port.address not in net.policies
+    assert port.address not in net.policies  # out of the firewall at once
+    with IPRoute() as ipr:  # the link goes with the sandbox's namespace, soon after
+        for _ in range(100):
+            if not ipr.link_lookup(ifname=port.name):
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail(f"{port.name} is still there 5 s after its sandbox closed")
     rows = net.db.execute("SELECT address FROM net_leases WHERE body IS NOT NULL").fetchall()
     assert (port.address,) not in rows
+
+
+def test_a_closed_sandboxs_link_kept_alive_is_deleted_and_its_address_waits(
+        harness: Harness, make: Callable[..., Sandbox], monkeypatch) -> None:
+    """A closed sandbox's link normally goes with its namespace; one that something keeps
+    alive is deleted after the grace, and its address is not leased again before."""
+    from branchbox.engine import networking
+
+    monkeypatch.setattr(networking, "LINK_GRACE", 0.3)
+    net = harness.engine.net
+    sb = make()
+    body = harness.engine.get(sb.id).body
+    port = net.ports[body.key]
+    held = os.open(f"/proc/{body.cgroup.leaf_pids('repl')[0]}/ns/net", os.O_RDONLY)
+    try:
+        sb.close()
+        time.sleep(0.5)
+        with IPRoute() as ipr:
+            assert ipr.link_lookup(ifname=port.name)  # the namespace lives on, so does it
+        assert port.address not in {p.address for p in net.ready}
+        parent = make()
+        parent.fork(1)[0].close()  # the pool refills: the grace is over, the link deleted
+        with IPRoute() as ipr:
+            for _ in range(100):
+                if not ipr.link_lookup(ifname=port.name):
+                    break
+                time.sleep(0.05)
+            else:
+                pytest.fail(f"{port.name} was never deleted")
+    finally:
+        os.close(held)
 
 
 # ------------------------------------------------------------------- the port proxy

@@ -34,6 +34,7 @@ log = logging.getLogger("branchbox.engine")
 POOL = 40  # prepared ports kept ready: a fork(32) takes all its children's from here
 CHUNK = 8  # ports prepared at a time (~1.5 ms each, on the event loop)
 REFILL_DELAY = 0.05  # s after a fork: its answer is on its way before the pool is refilled
+LINK_GRACE = 5.0  # s a closed body's link may take to go with its namespace, then deleted
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS net_leases (
     address TEXT PRIMARY KEY, port TEXT NOT NULL, mac TEXT NOT NULL, body TEXT
@@ -69,6 +70,8 @@ class SandboxNetwork:
         self._names = itertools.count(1)
         self._used: set[int] = set()
         self._refill: asyncio.Handle | None = None
+        self._dying: dict[str, tuple[Port, float]] = {}  # released, link not yet gone
+        self._unplugging: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         self.db.execute("DELETE FROM net_leases")  # an earlier daemon's: swept with its links
@@ -78,7 +81,9 @@ class SandboxNetwork:
     async def stop(self) -> None:
         if self._refill is not None:
             self._refill.cancel()
-        await self.net.stop()
+        await asyncio.gather(*self._unplugging, return_exceptions=True)
+        self._dying.clear()
+        await self.net.stop()  # every port of this daemon, dying ones too
         self.db.execute("DELETE FROM net_leases")
 
     # ------------------------------------------------------------------ leases
@@ -104,6 +109,7 @@ class SandboxNetwork:
 
     def _prepare(self, n: int) -> None:
         """Leases admitted by the firewall before anyone needs them (one transaction)."""
+        self._reap()
         fresh = [self._lease() for _ in range(n)]
         try:
             self.net.firewall.add_ports([(p.name, p.mac, p.address) for p in fresh])
@@ -173,16 +179,47 @@ class SandboxNetwork:
         return reply
 
     async def release(self, body_key: str) -> None:
-        """Free a body's port: firewall first (it can no longer speak), lease, link."""
+        """Free a body's port: out of the firewall at once (it can no longer speak). Its
+        link goes with the body's network namespace, which the kernel tears down by
+        itself once the body's processes are dead, many at once and off our path (a
+        delete through the helper waits ~20 ms for RCU grace periods, on every close,
+        and holds up the forks queued behind it). The address is leased again only once
+        the link is gone (``_reap``): the port's MAC is derived from it."""
         port = self.ports.pop(body_key, None)
         if port is None:
             return
         self.net.firewall.clear_policy(port.address, self.policies.pop(port.address, None))
         self.net.firewall.remove_ports([(port.name, port.mac, port.address)])
-        self._free(port.address)
+        self.db.execute("UPDATE net_leases SET body = NULL WHERE address = ?", (port.address,))
         if port.plugged:
+            self._dying[port.name] = (port, time.monotonic())
+        else:
+            self._free(port.address)
+
+    def _reap(self) -> None:
+        """Free the addresses of released ports whose links are gone; delete the links
+        still there after ``LINK_GRACE`` (a namespace something kept alive)."""
+        now = time.monotonic()
+        stuck = []
+        for name, (port, since) in list(self._dying.items()):
+            if not os.path.exists(f"/sys/class/net/{name}"):
+                del self._dying[name]
+                self._free(port.address)
+            elif now - since > LINK_GRACE:
+                del self._dying[name]
+                stuck.append(port)
+        if stuck:
+            task = asyncio.get_running_loop().create_task(self._unplug(stuck))
+            self._unplugging.add(task)
+            task.add_done_callback(self._unplugging.discard)
+
+    async def _unplug(self, ports: list[Port]) -> None:
+        try:
             with contextlib.suppress(NetworkError):
-                await self.net.unplug([port.name])
+                await self.net.unplug([p.name for p in ports])
+        finally:
+            for port in ports:
+                self._free(port.address)
 
     async def hand_over(self, winner_key: str, parent_key: str, cgroup) -> None:
         """A merge: the winner's body takes the parent's address (the id keeps it); the
