@@ -41,6 +41,7 @@ class Body:
     channel: AgentChannel | None = None
     repl_host: int | None = None  # the REPL's host pid, once a fork has looked it up
     stopped: str | None = None  # why the daemon killed its processes (engine.run_guard)
+    killing: asyncio.Future | None = None  # that kill, until every process is gone
 
 
 @dataclass(eq=False)

@@ -182,7 +182,17 @@ async def hard_stop(body: Body, reason: str) -> None:
         return
     body.stopped = stop_message(reason)
     log.warning("stopping sandbox body %s: %s", body.key, reason)
-    await asyncio.to_thread(body.cgroup.kill)
+    body.killing = asyncio.ensure_future(asyncio.to_thread(body.cgroup.kill))
+    await body.killing
+
+
+async def killed(body: Body) -> None:
+    """Once the hard stop of ``body`` has every process gone. Its REPL dies first, so a
+    call learns of the stop while the rest may still be dying: it answers after this,
+    and a caller looking right after sees nothing running."""
+    if body.killing is not None:
+        with contextlib.suppress(OSError):
+            await asyncio.shield(body.killing)
 
 
 async def release_when_quiet(lock: asyncio.Lock, body: Body) -> None:

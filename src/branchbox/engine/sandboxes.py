@@ -41,6 +41,7 @@ from branchbox.engine.run_guard import (
     PROMPT_OPS,
     RunDeadline,
     acquire,
+    killed,
     release_when_quiet,
     until_gone,
 )
@@ -594,6 +595,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
             raise errors.AGENT_ERRORS.get(exc.kind, errors.EngineError)(exc.message) from None
         except ChannelClosed:
             if sb.body.stopped:
+                await killed(sb.body)
                 raise errors.SandboxTimeout(f"sandbox {sandbox_id}: {sb.body.stopped}") from None
             raise self._repl_ended(sb, f"{op!r}") from None
         finally:
