@@ -45,9 +45,14 @@ _LEAVE_BATCH = 5.0
 class Branching:
     """Mixed into Engine (uses its live sandboxes, layers, locks and lineage)."""
 
-    async def fork(self, sandbox_id: str, n: int) -> list[Live]:
+    def _check_n(self, n: object) -> None:
+        """400 unless ``n`` children is a count one fork may make (forks of a sandbox and
+        of a checkpoint alike)."""
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.config.max_fork:
             raise errors.InvalidRequest(f"n must be between 1 and {self.config.max_fork}")
+
+    async def fork(self, sandbox_id: str, n: int) -> list[Live]:
+        self._check_n(n)
         parent = self.get(sandbox_id)
         await self._acquire(parent, self.config.busy_wait)
         try:
@@ -227,6 +232,7 @@ class Branching:
         child): a veth created into its namespace, its address and route."""
         result = await hello
         reply = await self.net.attach(body.key, body.cgroup, int(result.get("pid") or 0))
+        body.repl_host = reply["host_pid"]  # found for the network: its own forks need it
         steps.append(reply["steps"])
         return result
 
@@ -246,7 +252,7 @@ class Branching:
         """A child past Landlock's depth added a signal filter (see runtime.signal_guard):
         take its listener out of the child, then have the child let go of its copy, all
         before the child runs any user code."""
-        host = procfs.find_repl(body.cgroup.pids(), int(hello.get("pid") or 0))
+        host = body.repl_host or procfs.find_repl(body.cgroup.pids(), int(hello.get("pid") or 0))
         if host is None:
             raise errors.EngineError("fork failed: a child's REPL is not in its cgroup")
         await asyncio.to_thread(self.signal_guard.take, host, int(hello["signal_listener"]))

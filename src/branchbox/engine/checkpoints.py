@@ -160,8 +160,7 @@ class Checkpoints:
 
     async def fork_checkpoint(self, sandbox_id: str, checkpoint_id: str, n: int) -> list[Live]:
         """``n`` new sandboxes from the checkpoint's instant, children of its sandbox."""
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.config.max_fork:
-            raise errors.InvalidRequest(f"n must be between 1 and {self.config.max_fork}")
+        self._check_n(n)
         sb = self.get(sandbox_id)
         cp = self._checkpoint_of(sandbox_id, checkpoint_id)
         async with cp.lock:

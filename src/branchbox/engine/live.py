@@ -39,7 +39,7 @@ class Body:
     layers: LayerStack
     cgroup: SandboxCgroup
     channel: AgentChannel | None = None
-    repl_host: int | None = None  # the REPL's host pid, once a fork has looked it up
+    repl_host: int | None = None  # the REPL's host pid, once found (a fork, its network)
     stopped: str | None = None  # why the daemon killed its processes (engine.run_guard)
     killing: asyncio.Future | None = None  # that kill, until every process is gone
 

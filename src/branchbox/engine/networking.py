@@ -154,7 +154,8 @@ class SandboxNetwork:
 
     async def attach(self, body_key: str, cgroup, ns_pid: int) -> dict:
         """Give the body whose REPL is ``ns_pid`` (in its family's namespace, among the
-        body's "repl" leaf) its port. Returns the helper's reply with ``steps``: each
+        body's "repl" leaf) its port. Returns the helper's reply with the REPL's
+        ``host_pid`` and ``steps``: each
         step's time in ns, the helper's own and the daemon's (``lookup``: finding the
         REPL's namespace; ``ipc``: the way to the helper and back, without the time the
         request queued behind other children's: those are counted in theirs)."""
@@ -176,6 +177,7 @@ class SandboxNetwork:
         port.plugged = True
         reply["steps"] = {"take": t1 - t0, "lookup": t2 - t1, **reply["steps"],
                           "ipc": reply["arrival"] + reply["received"] - reply["replied"]}
+        reply["host_pid"] = host_pid  # the REPL's: the body need not look it up again
         return reply
 
     async def release(self, body_key: str) -> None:
