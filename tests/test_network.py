@@ -365,6 +365,15 @@ def _wait_ok(sb: Sandbox, host: str, port: int) -> bool:
     return False
 
 
+def _wait_link_gone(name: str, within: float = 5.0) -> None:
+    with IPRoute() as ipr:
+        deadline = time.monotonic() + within
+        while ipr.link_lookup(ifname=name):
+            if time.monotonic() > deadline:
+                pytest.fail(f"link {name} is still there {within:g} s after its sandbox closed")
+            time.sleep(0.05)
+
+
 def test_close_frees_the_link_and_rules(harness: Harness,
                                         make: Callable[..., Sandbox]) -> None:
     net = harness.engine.net
@@ -374,13 +383,7 @@ def test_close_frees_the_link_and_rules(harness: Harness,
         assert ipr.link_lookup(ifname=port.name)
     sb.close()
     assert port.address not in net.policies  # out of the firewall at once
-    with IPRoute() as ipr:  # the link goes with the sandbox's namespace, soon after
-        for _ in range(100):
-            if not ipr.link_lookup(ifname=port.name):
-                break
-            time.sleep(0.05)
-        else:
-            pytest.fail(f"{port.name} is still there 5 s after its sandbox closed")
+    _wait_link_gone(port.name)  # it goes with the sandbox's namespace, soon after
     rows = net.db.execute("SELECT address FROM net_leases WHERE body IS NOT NULL").fetchall()
     assert (port.address,) not in rows
 
@@ -405,13 +408,7 @@ def test_a_closed_sandboxs_link_kept_alive_is_deleted_and_its_address_waits(
         assert port.address not in {p.address for p in net.ready}
         parent = make()
         parent.fork(1)[0].close()  # the pool refills: the grace is over, the link deleted
-        with IPRoute() as ipr:
-            for _ in range(100):
-                if not ipr.link_lookup(ifname=port.name):
-                    break
-                time.sleep(0.05)
-            else:
-                pytest.fail(f"{port.name} was never deleted")
+        _wait_link_gone(port.name)
     finally:
         os.close(held)
 
