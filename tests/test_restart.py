@@ -1,7 +1,8 @@
-"""A daemon restart keeps every sandbox's files (issue 13, part 4 and the first subset of
-part 3): processes that died with the daemon (kill -9) or the host come back as
-``stopped`` sandboxes under the same ids, and ``start()`` gives each a fresh REPL on its
-files. Against real ``branchbox serve`` processes on one data directory."""
+"""A daemon restart keeps every sandbox's files (issue 13, part 4): processes that died
+with the host come back as ``stopped`` sandboxes under the same ids, and ``start()``
+gives each a fresh REPL on its files; a stop with ``--keep`` leaves them running.
+Against real ``branchbox serve`` processes on one data directory (the sandboxes that
+outlive a killed daemon: test_reattach.py)."""
 
 from __future__ import annotations
 
@@ -117,25 +118,27 @@ def test_sandboxes_come_back_stopped_with_their_files() -> None:
         stop_last(first, second, env)
 
 
-def test_a_stop_with_keep_leaves_sandboxes_stopped() -> None:
+def test_a_stop_with_keep_leaves_sandboxes_running() -> None:
     env = {k: v for k, v in os.environ.items() if k != "BRANCHBOX_API_KEY"}
     env["BRANCHBOX_API_KEY"] = KEY
     first = ServedDaemon("keep", env, "--keep")
+    group = EngineConfig(data_dir=first.data_dir).cgroup_group
     second = None
     try:
         sb = Sandbox(url=first.url, api_key=KEY)
-        sb.files.write("/root/kept.txt", b"through a clean stop")
+        sb.run_code("kept = 'through a clean stop'")
         sb.pause()
         sb.detach()
         first.proc.send_signal(signal.SIGTERM)
         assert first.proc.wait(60) == 0, first.log.read_text()
-        group = EngineConfig(data_dir=first.data_dir).cgroup_group
-        assert family_pids(group) == []  # its processes ended with the daemon
+        assert family_pids(group), "the sandbox's processes should outlive a --keep stop"
 
         second = ServedDaemon("keep", env, data_dir=first.data_dir)  # no --keep: closes all
         sb = Sandbox.connect(sb.id, url=second.url, api_key=KEY)
-        assert sb.info()["state"] == "stopped"
-        assert sb.start().files.read("/root/kept.txt") == b"through a clean stop"
+        assert sb.info()["state"] == "paused"  # still paused: frozen again at re-attach
+        sb.resume()
+        assert sb.run_code("kept").text == "'through a clean stop'"
         sb.close()
     finally:
         stop_last(first, second, env)
+    assert family_pids(group) == []

@@ -140,8 +140,8 @@ def serve(
     host_deny_file: Annotated[Path | None, typer.Option(
         help="A file of such paths, one a line (# comments).")] = None,
     keep: Annotated[bool, typer.Option(
-        "--keep", help="On SIGINT/SIGTERM keep every sandbox's files: the next daemon on this "
-                       "data directory lists them as stopped (also: $BRANCHBOX_KEEP=1).")]
+        "--keep", help="On SIGINT/SIGTERM leave every sandbox running: the next daemon on "
+                       "this data directory serves them again (also: $BRANCHBOX_KEEP=1).")]
     = False,
     as_json: Json = False,
 ) -> None:

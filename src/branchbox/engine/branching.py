@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import secrets
 import signal
@@ -34,8 +33,10 @@ from branchbox.storage import layerdiff
 
 # Frozen layers a root may stack before a fork squashes them into one.
 MAX_CHAIN = 16
-# Crash tests: "frozen" makes the daemon SIGKILL itself right after a fork froze the
-# parent's commands (what a kill -9 at the worst moment does; tests/test_daemon_killed.py).
+# Crash tests (tests/test_daemon_killed.py): the daemon SIGKILLs itself at the worst
+# moment, what a kill -9 there does: "frozen", right after a fork froze the parent's
+# commands; "adopted", once a fork's children are recorded; "merged", once a merge has
+# recorded the parent's new body, before the winner's id is closed.
 FORK_FAULT_ENV = "BRANCHBOX_FORK_FAULT"
 DEFAULT_DIFF_PATHS = ("/root", "/tmp")
 # Seconds a failed fork gives the REPL to leave its fork batch (it may be the reason).
@@ -212,20 +213,24 @@ class Branching:
             child = Live(record, body, parent.family, forked_at=generation)
             self._lineage[sid] = (parent.id, generation)
             parent.family.members.add(sid)
-            self._adopt_child(parent, child)
             children.append(child)
+        self._adopt_children_of(parent, children)
         return children
 
-    def _adopt_child(self, parent: Live, child: Live) -> None:
-        """A child lives by its parent's policy: it is closed when the parent's timeout
-        runs out (the same instant, not a fresh period) and after the parent's idle
-        timeout without use, so a family whose client is gone is reclaimed."""
+    def _adopt_children_of(self, parent: Live, children: list[Live]) -> None:
+        """Children live by their parent's policy: closed when the parent's timeout runs
+        out (the same instant, not a fresh period) and after the parent's idle timeout
+        without use, so a family whose client is gone is reclaimed. Recorded together: a
+        daemon killed meanwhile leaves all of them or none (engine.reattach)."""
         loop = asyncio.get_running_loop()
         left = None if parent.timer is None else max(parent.timer.when() - loop.time(), 1e-3)
-        self._adopt(child, left)
-        lineage.prune_if_grown(self._lineage, self.live, len(self.live))  # child is live now
+        self._adopt(children, left)
+        if os.environ.get(FORK_FAULT_ENV) == "adopted":
+            os.kill(os.getpid(), signal.SIGKILL)
+        lineage.prune_if_grown(self._lineage, self.live, len(self.live))  # children live now
         if idle := parent.record.meta.get("idle_timeout"):
-            self._close_when_idle(child, idle)
+            for child in children:
+                self._close_when_idle(child, idle)
 
     async def _networked(self, hello, body: Body, steps: list[dict]) -> dict:
         """The child's hello, then at once its network (while the REPL forks the next
@@ -323,6 +328,9 @@ class Branching:
                     "was forked (first merge wins)")
             self._check_alive(winner)
             old = self._rebind(parent, winner.body)
+            self._record_rebind(parent)  # before the winner's close: a kill between the
+            if os.environ.get(FORK_FAULT_ENV) == "merged":  # two leaves the merge done
+                os.kill(os.getpid(), signal.SIGKILL)
             self.live.pop(winner.id)
             if winner.timer:
                 winner.timer.cancel()
@@ -330,8 +338,10 @@ class Branching:
                 if up == winner.id:  # the winner's children are now the parent's
                     fresh = generation == winner.generation
                     self._lineage[sid] = (parent.id, parent.generation if fresh else -1)
+                    self.records.set_lineage(sid, *self._lineage[sid])
                     if sid in self.live:
                         self.live[sid].record.parent_id = parent.id
+                        self.live[sid].record.meta["forked_at"] = self._lineage[sid][1]
             winner.family.members.discard(winner.id)
             self.records.mark_closed([winner.id])
             self._retire_checkpoints(winner.id)  # its id ends, and its instants with it
@@ -351,13 +361,18 @@ class Branching:
         sb.record.state = "ready"
         return old
 
-    async def _take_over(self, sb: Live, old: Body) -> None:
-        """Finish a rebind: record, watch and name the new body, give it the id's address;
-        the old body is killed and freed in the background (the caller returns now)."""
-        sb.record.meta = {**sb.record.meta, "stack": describe(sb.body.layers)}
+    def _record_rebind(self, sb: Live) -> None:
+        """Record that ``sb``'s id is served by its new body (layers, generation)."""
+        sb.record.meta = {**sb.record.meta, "stack": describe(sb.body.layers),
+                          "gen": sb.generation}
         self.records.put(sb.record)
-        sb.watcher = asyncio.get_running_loop().create_task(self._watch(sb, sb.body))
-        sb.body.channel.on_abandon = functools.partial(self._on_abandon, sb.body)
+        self._keep_channel(sb.body)
+
+    async def _take_over(self, sb: Live, old: Body) -> None:
+        """Finish a rebind (recorded already): watch and name the new body, give it the
+        id's address; the old body is killed and freed in the background (the caller
+        returns now)."""
+        self._watch_body(sb)
         with contextlib.suppress(errors.EngineError, AgentError, ChannelClosed):
             await sb.body.channel.call("sethostname", {"hostname": sb.id})
         await self.net.hand_over(sb.body.key, old.key, sb.body.cgroup)

@@ -26,6 +26,7 @@ from branchbox.engine import errors
 from branchbox.engine.live import Body, Live
 from branchbox.engine.pausing import refuse_paused
 from branchbox.engine.records import SandboxRecord
+from branchbox.engine.stopped import describe
 from branchbox.runtime.cgroups import FreezeFailed
 
 log = logging.getLogger("branchbox.engine")
@@ -112,10 +113,12 @@ class Checkpoints:
             record = SandboxRecord(
                 id="cp_" + secrets.token_hex(16), family=sb.record.family, instance=body.key,
                 image=sb.record.image, parent_id=sb.id, state=CHECKPOINT,
-                meta={"name": name, "generation": sb.generation})
+                meta={"name": name, "generation": sb.generation,
+                      "stack": describe(body.layers), "launcher": list(sb.family.family.ident)})
             cp = Checkpoint(record, body)
             self._checkpoints[cp.id] = cp
             self.records.put(record)
+            self._keep_channel(body)
             self.events.publish("checkpoint", sb.record, checkpoint=cp.id, name=name)
             return cp
         finally:
@@ -153,6 +156,7 @@ class Checkpoints:
                     raise errors.SandboxNotFound()  # closed or deleted while we waited
                 ((_, body),) = await self._copy_checkpoint(cp, sb.record.meta, 1)
             old = self._rebind(sb, body)
+            self._record_rebind(sb)
             await self._take_over(sb, old)
             self.events.publish("restore", sb.record, checkpoint=checkpoint_id)
         finally:

@@ -55,8 +55,8 @@ class EngineConfig:
     events_kept: int = field(
         default_factory=lambda: int(os.environ.get("BRANCHBOX_EVENTS_KEPT", "4096")))
 
-    # On stop, keep every sandbox's files and record (``branchbox serve --keep``): the next
-    # daemon on this data directory lists them as stopped (engine.stopped).
+    # On stop, leave every sandbox running (``branchbox serve --keep``): the next daemon on
+    # this data directory re-attaches to them (engine.reattach).
     keep: bool = field(
         default_factory=lambda: os.environ.get("BRANCHBOX_KEEP", "") in ("1", "true"))
     # Egress for sandboxes that do not say (``branchbox serve --internet``).

@@ -39,6 +39,7 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS net_leases (
     address TEXT PRIMARY KEY, port TEXT NOT NULL, mac TEXT NOT NULL, body TEXT
 );
+CREATE TABLE IF NOT EXISTS net_subnet (subnet TEXT NOT NULL);
 """
 
 
@@ -73,9 +74,32 @@ class SandboxNetwork:
         self._dying: dict[str, tuple[Port, float]] = {}  # released, link not yet gone
         self._unplugging: set[asyncio.Task] = set()
 
-    async def start(self) -> None:
-        self.db.execute("DELETE FROM net_leases")  # an earlier daemon's: swept with its links
-        await self.net.start()
+    async def start(self, keep: set[str] = frozenset()) -> None:
+        """Build the bridge and firewall. ``keep``: bodies of an earlier daemon that this
+        one re-attaches to (engine.reattach); their ports, addresses and links stay, on
+        the earlier daemon's subnet. Every other lease is swept with its link."""
+        rows = self.db.execute("SELECT address, port, mac, body FROM net_leases").fetchall()
+        kept = [row for row in rows if row[3] in keep]
+        subnet = self.db.execute("SELECT subnet FROM net_subnet").fetchone()
+        await self.net.start({row[1] for row in kept}, subnet[0] if subnet else None)
+        self.db.execute("DELETE FROM net_subnet")
+        self.db.execute("INSERT INTO net_subnet VALUES (?)", (str(self.net.subnet),))
+        self.db.execute("DELETE FROM net_leases")
+        base = int(self.net.subnet.network_address)
+        last = 0
+        for address, name, mac, body in kept:
+            if ipaddress.IPv4Address(address) not in self.net.subnet:
+                continue
+            port = Port(name, mac, address, self.net.plug_messages(name, mac, address),
+                        plugged=True)
+            self.ports[body] = port
+            self._used.add(int(ipaddress.IPv4Address(address)) - base)
+            self.db.execute("INSERT INTO net_leases VALUES (?, ?, ?, ?)",
+                            (address, name, mac, body))
+            with contextlib.suppress(ValueError):
+                last = max(last, int(name.removeprefix(self.net.port_prefix), 16))
+        self._names = itertools.count(last + 1)  # never the name of a kept port
+        self.net.firewall.add_ports([(p.name, p.mac, p.address) for p in self.ports.values()])
         self.refill()
 
     async def stop(self) -> None:
@@ -85,6 +109,13 @@ class SandboxNetwork:
         self._dying.clear()
         await self.net.stop()  # every port of this daemon, dying ones too
         self.db.execute("DELETE FROM net_leases")
+
+    def detach(self) -> None:
+        """A stop that leaves sandboxes running (``--keep``): the bridge, their links and
+        the firewall stay for the next daemon; only this one's helper ends."""
+        if self._refill is not None:
+            self._refill.cancel()
+        self.net.detach()
 
     # ------------------------------------------------------------------ leases
     def _lease(self) -> Port:

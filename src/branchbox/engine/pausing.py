@@ -68,14 +68,15 @@ class Pausing:
             left = sb.timer.when() - asyncio.get_running_loop().time()
             sb.timer.cancel()
             sb.timer = None
-            sb.record.meta = {**sb.record.meta, "timeout_left": max(left, 0.0)}
+            meta = {k: v for k, v in sb.record.meta.items() if k != "expires"}
+            sb.record.meta = {**meta, "timeout_left": max(left, 0.0)}
 
     def _start_clock(self, sb: Live) -> None:
         sb.last_used = time.monotonic()  # idle counts from the resume
         left = sb.record.meta.get("timeout_left")
         if left is not None:
             sb.record.meta = {k: v for k, v in sb.record.meta.items() if k != "timeout_left"}
-            sb.timer = asyncio.get_running_loop().call_later(left, self._expire, sb.id)
+            self._arm(sb, left)
 
 
 def refuse_paused(sb: Live) -> None:

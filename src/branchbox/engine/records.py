@@ -1,8 +1,11 @@
 """Sandbox metadata in SQLite, in the data directory.
 
-The database outlives the daemon: after a crash or restart the new daemon
-reads which sandboxes were live, releases their cgroups and layers (their
-processes died with the old daemon) and marks them closed, so nothing leaks.
+The database outlives the daemon: after a crash or restart the new daemon reads
+which sandboxes were live and which family launchers ran them (``meta.launcher``), re-attaches to
+those still running (engine.reattach), keeps the files of the others (``stopped``,
+engine.stopped) and closes the rest, so nothing leaks. What it needs of a live
+sandbox is in its record's ``meta``: ``stack`` (its layers), ``gen`` and
+``forked_at`` (merge staleness), ``expires`` or ``timeout_left`` (its lifetime).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 CREATE TABLE IF NOT EXISTS commits (host TEXT PRIMARY KEY, started REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS id_slots (slot INTEGER PRIMARY KEY, family TEXT NOT NULL,
                                      taken REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS launchers (pid INTEGER NOT NULL, started INTEGER NOT NULL,
+                                      PRIMARY KEY (pid, started));
 """
 
 
@@ -59,15 +64,23 @@ class Records:
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(_SCHEMA)
 
-    def put(self, rec: SandboxRecord) -> None:
-        row = asdict(rec)
-        row["meta"] = json.dumps(rec.meta)
-        self.db.execute(
-            "INSERT OR REPLACE INTO sandboxes (id, parent_id, family, instance, state, image, "
-            "created, closed, meta) VALUES (:id, :parent_id, :family, :instance, :state, :image, "
-            ":created, :closed, :meta)",
-            row,
-        )
+    def put(self, *recs: SandboxRecord) -> None:
+        """Write these records in one transaction (all of them, or none)."""
+        rows = []
+        for rec in recs:
+            row = asdict(rec)
+            row["meta"] = json.dumps(rec.meta)
+            rows.append(row)
+        self.db.execute("BEGIN")  # explicit: the connection is in autocommit mode
+        try:
+            self.db.executemany(
+                "INSERT OR REPLACE INTO sandboxes (id, parent_id, family, instance, state, "
+                "image, created, closed, meta) VALUES (:id, :parent_id, :family, :instance, "
+                ":state, :image, :created, :closed, :meta)", rows)
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
 
     def live(self) -> list[SandboxRecord]:
         rows = self.db.execute(
@@ -87,6 +100,30 @@ class Records:
             self.db.execute(
                 "DELETE FROM sandboxes WHERE id IN (SELECT id FROM sandboxes WHERE "
                 "state = 'closed' ORDER BY closed DESC LIMIT -1 OFFSET ?)", (KEEP_CLOSED,))
+
+    def set_lineage(self, sandbox_id: str, parent_id: str, forked_at: int) -> None:
+        """A merge made ``sandbox_id`` (live or closed) a branch of ``parent_id``."""
+        self.db.execute("UPDATE sandboxes SET parent_id = ?, meta = json_set(meta, "
+                        "'$.forked_at', ?) WHERE id = ?", (parent_id, forked_at, sandbox_id))
+
+    def lineage(self) -> dict[str, tuple[str, int]]:
+        """(parent, parent's generation at the fork) of every sandbox that has them."""
+        rows = self.db.execute(
+            "SELECT id, parent_id, json_extract(meta, '$.forked_at') FROM sandboxes "
+            "WHERE parent_id IS NOT NULL AND json_extract(meta, '$.forked_at') IS NOT NULL "
+            "AND state != 'checkpoint'").fetchall()
+        return {sid: (parent, int(at)) for sid, parent, at in rows}
+
+    def put_launcher(self, launcher: tuple[int, int]) -> None:
+        """A family runs under this launcher (pid, start time): a restarted daemon
+        re-attaches to it, or kills it if none of its sandboxes is kept."""
+        self.db.execute("INSERT OR REPLACE INTO launchers VALUES (?, ?)", launcher)
+
+    def drop_launcher(self, launcher: tuple[int, int]) -> None:
+        self.db.execute("DELETE FROM launchers WHERE pid = ? AND started = ?", launcher)
+
+    def launchers(self) -> list[tuple[int, int]]:
+        return [tuple(row) for row in self.db.execute("SELECT pid, started FROM launchers")]
 
     def begin_commit(self, host: Path) -> None:
         """Note a workspace commit under way, so a daemon that dies inside it is followed

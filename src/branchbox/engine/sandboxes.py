@@ -35,6 +35,7 @@ from branchbox.engine.layers import (
 from branchbox.engine.live import Body, FamilyHandle, Live, new_id
 from branchbox.engine.networking import SandboxNetwork
 from branchbox.engine.pausing import Pausing, refuse_paused
+from branchbox.engine.reattach import Reattach
 from branchbox.engine.records import Records, SandboxRecord
 from branchbox.engine.repl_end import repl_ended
 from branchbox.engine.run_guard import (
@@ -51,7 +52,8 @@ from branchbox.engine.workspaces import Workspaces
 from branchbox.runtime import rootfs, smaps
 from branchbox.runtime.cgroups import Limits, SandboxCgroup, favor_dynamic_moves
 from branchbox.runtime.channel import AgentChannel, AgentError, interrupt_repl
-from branchbox.runtime.family import spawn_family
+from branchbox.runtime.family import Family, spawn_family
+from branchbox.runtime.fd_keeper import FdKeeper
 from branchbox.runtime.signal_guard import SignalGuard
 from branchbox.runtime.thaw_guard import ThawGuard
 from branchbox.storage import workspace_commit
@@ -80,7 +82,7 @@ _LOCK_FREE_OPS = {"ping", "wait", "kill", "ps", "follow", "input", "close_stdin"
 
 
 class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
-             StoppedSandboxes):
+             StoppedSandboxes, Reattach):
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.live: dict[str, Live] = {}
@@ -106,6 +108,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         self._stopping = False
         self.net: SandboxNetwork | None = None
         self.host_image: HostImage | None = None
+        self.keeper: FdKeeper | None = None  # holds control sockets across restarts
         self.signal_guard = SignalGuard()
         self.events = EventBus(self.config.events_kept)  # GET /v1/events and the /ui page
 
@@ -119,12 +122,17 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         _raise_fd_limit()
         self.records = Records(cfg.data_dir / "sandboxes.db")
         self.ids = IdRanges(self.records)  # recorded slots stay taken until recover()
+        self.keeper = await asyncio.to_thread(FdKeeper.connect, cfg.data_dir / "run" / "keeper")
+        # An earlier daemon's sandboxes still running (engine.reattach); the rest of what
+        # it left is reaped, its files kept as stopped sandboxes (engine.stopped).
+        survivors = await self._find_survivors()
         self.net = SandboxNetwork(self.records.db, cfg.cgroup_group[2:6], cfg.subnet,
                                   cfg.internet)
-        await self.net.start()
+        await self.net.start({s.record.instance for s in survivors.values()})
         self._unfavor = favor_dynamic_moves(cfg.data_dir / "run" / "cgroup-favor")
         self._thaw_guard = ThawGuard(cfg.cgroup_group)  # nothing stays frozen if we die
-        self._reap_leftovers()
+        self._reap_leftovers({s.record.instance for s in survivors.values()})
+        self._mark_stopped(set(survivors))
         self.store = choose_backend(cfg.data_dir, cfg.storage)
         self.layers = Layers(
             self.store.backend, self.store.root,
@@ -136,13 +144,15 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         else:
             log.warning("no per-sandbox disk limits: %s", self.store.no_quota)
         self._clear_volumes()
-        # Only stopped sandboxes' files are left in the store: their families keep their
-        # id slots, every other slot is free again.
+        # Only stopped and re-attached sandboxes' files are left in the store: their
+        # families keep their id slots, every other slot is free again.
         self.ids.recover({rec.family for rec in self.records.live()})
-        self._load_stopped()
-        self.agent_layer = rootfs.prepare_agent_layer(cfg.data_dir / "agent-layer")
+        stacks = self._stacks()
+        self._load_stopped(stacks)
+        self.agent_layer = rootfs.prepare_agent_layer(cfg.data_dir, in_use=bool(survivors))
         self.host_image = HostImage(cfg.host_deny, [cfg.data_dir, cfg.image_cache],
                                     self.store.root, self.agent_layer)
+        await self._reattach(survivors, stacks)
         for host in self.records.pending_commits():  # the daemon died inside a commit
             outcome = workspace_commit.recover(host)
             log.warning("commit into %s interrupted by a crash: %s", host, outcome)
@@ -150,12 +160,12 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         log.info("storage: %s backend at %s", self.store.backend.name, self.store.root)
         self._refill("default")  # warm sandboxes for the first creates
 
-    def _reap_leftovers(self) -> None:
-        """Whatever an earlier daemon of this data directory left: kill and remove its
-        processes; its sandboxes are stopped (files kept) or closed (engine.stopped)."""
+    def _reap_leftovers(self, keep: set[str]) -> None:
+        """Kill and remove the processes of an earlier daemon of this data directory that
+        nobody re-attached to (cgroups not in ``keep``)."""
         for cg in SandboxCgroup.leftovers(self.config.cgroup_group):
-            cg.remove()
-        self._mark_stopped()
+            if not cg.dirs or cg.dirs[0].name not in keep:
+                cg.remove()
 
     def _clear_volumes(self) -> None:
         keep = self._kept_volumes() | self._image_volumes()
@@ -169,15 +179,22 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         while self._background:  # expiries and teardowns under way
             await asyncio.gather(*list(self._background), return_exceptions=True)
         if self.config.keep:
-            await self._keep_all()
+            await self._leave_running()
+            if self.net is not None:
+                self.net.detach()
         else:
             for sid in list(self.live):
                 with contextlib.suppress(errors.EngineError):
                     await self.close(sid)
             self._release_stopped()
-        SandboxCgroup.remove_group(self.config.cgroup_group)
-        if self.net is not None:
-            await self.net.stop()
+            SandboxCgroup.remove_group(self.config.cgroup_group)
+            if self.net is not None:
+                await self.net.stop()
+        if self.keeper is not None:
+            if self.config.keep:
+                self.keeper.close()
+            else:
+                self.keeper.quit()
         self.signal_guard.stop()
         if self._unfavor is not None:
             self._unfavor()
@@ -368,6 +385,13 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
             ids.drop()
             raise
         cgroup = None
+        launched: list[Family] = []
+
+        def started(family: Family) -> None:
+            launched.append(family)
+            self.records.put_launcher(family.ident)
+            family.on_exit = functools.partial(self._family_gone, family, ids)
+
         try:
             cgroup = SandboxCgroup.create(self.config.cgroup_group, key,
                                           self._limits(meta["memory_mb"]))
@@ -385,14 +409,15 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
                 attach=ATTACH_DIR,
                 log_path=self.config.data_dir / "logs" / f"{sid}.log",
                 timeout=self.config.spawn_timeout,
+                started=started,
             )
         except BaseException:
             if cgroup is not None:
                 cgroup.remove()
             self.layers.release(stack)
-            ids.drop()  # the family never ran, or was killed and reaped
+            if not launched:  # else the family's kill let go of its range (on_exit)
+                ids.drop()
             raise
-        family.on_exit = ids.drop
         body = Body(key, stack, cgroup, channel)
         try:  # its own address on the bridge; no egress until create applies a policy
             await self.net.attach(key, cgroup, int((await channel.call("ping")).get("pid") or 0))
@@ -406,16 +431,49 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         record = SandboxRecord(id=sid, family=sid, instance=key, image=image, meta=meta)
         return Live(record, body, FamilyHandle(family, {sid}))
 
-    def _adopt(self, sb: Live, timeout: float | None) -> None:
+    def _family_gone(self, family: Family, ids: IdRange) -> None:
+        """A family's launcher is gone: nothing of it runs in its id range any more."""
+        self.records.drop_launcher(family.ident)
+        ids.drop()
+
+    def _adopt(self, made: Live | list[Live], timeout: float | None) -> None:
+        """List made sandboxes, each closing ``timeout`` from now, and record (in one
+        transaction: a fork's children all, or none) what a restarted daemon needs to
+        re-attach to them: layers, launcher, lineage (engine.reattach); their sockets go
+        to the keeper."""
+        made = made if isinstance(made, list) else [made]
+        for sb in made:
+            meta = {k: v for k, v in sb.record.meta.items() if k != "expires"}  # a parent's
+            sb.record.meta = {**meta, "stack": describe(sb.body.layers),
+                              "launcher": list(sb.family.family.ident), "gen": sb.generation,
+                              "forked_at": sb.forked_at}
+            if timeout:
+                self._arm(sb, timeout)
+        self.records.put(*(sb.record for sb in made))
+        self.keeper.keep([(sb.body.key, sb.body.channel.sock.fileno()) for sb in made])
+        for sb in made:
+            self._serve(sb)
+
+    def _serve(self, sb: Live) -> None:
         self.live[sb.id] = sb
-        sb.record.meta = {**sb.record.meta, "stack": describe(sb.body.layers)}
-        self.records.put(sb.record)
+        self._watch_body(sb)
+
+    def _watch_body(self, sb: Live) -> None:
+        """Watch the body now serving ``sb`` (its REPL's end) and interrupt what its
+        callers give up on."""
         sb.watcher = asyncio.get_running_loop().create_task(self._watch(sb, sb.body))
         sb.body.channel.on_abandon = functools.partial(self._on_abandon, sb.body)
-        if timeout:
-            sb.timer = asyncio.get_running_loop().call_later(
-                timeout, self._expire, sb.id
-            )
+
+    def _keep_channel(self, body: Body) -> None:
+        self.keeper.keep([(body.key, body.channel.sock.fileno())])
+
+    def _arm(self, sb: Live, seconds: float) -> None:
+        """``sb`` closes ``seconds`` from now; the instant is recorded (by the caller's
+        next put) for a daemon that re-attaches to it after a restart."""
+        if sb.timer is not None:
+            sb.timer.cancel()
+        sb.timer = asyncio.get_running_loop().call_later(seconds, self._expire, sb.id)
+        sb.record.meta = {**sb.record.meta, "expires": time.time() + seconds}
 
     def set_timeout(self, sandbox_id: str, timeout: float) -> None:
         """The sandbox now closes ``timeout`` seconds from now, whatever its lifetime was
@@ -423,13 +481,10 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         sb = self.get(sandbox_id)
         if isinstance(timeout, bool) or not 0 < timeout <= 7 * 86400:
             raise errors.InvalidRequest("timeout must be between 0 and 604800 seconds")
-        if sb.timer is not None:
-            sb.timer.cancel()
-            sb.timer = None
         if "timeout_left" in sb.record.meta:  # paused: the clock starts again on resume
             sb.record.meta = {**sb.record.meta, "timeout_left": timeout}
         else:
-            sb.timer = asyncio.get_running_loop().call_later(timeout, self._expire, sb.id)
+            self._arm(sb, timeout)
         self.records.put(sb.record)
 
     def expires_at(self, sandbox_id: str) -> float | None:
@@ -525,6 +580,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         """Kill, disconnect and free a body; each step runs even if an earlier one failed.
         With ``keep_files`` its layers stay in the store (a stop that keeps sandboxes)."""
         await self.net.release(body.key)  # first: it can no longer speak on the bridge
+        self.keeper.drop([body.key])
         try:
             await asyncio.to_thread(body.cgroup.remove)
         finally:

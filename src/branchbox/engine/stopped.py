@@ -1,20 +1,20 @@
 """Sandboxes whose processes are gone but whose files are kept: ``stopped``, and ``start()``.
 
-A sandbox's processes die with the host (a reboot), with a daemon stopped with
-``--keep``, and, today, with the daemon itself (kill -9: the launcher has a
-parent-death signal, and the family's PID namespace dies with its init). Its
-files need not: every record says which volumes its root is stacked from
-(``meta["stack"]``: writable volume, frozen layers top first, disk limit, id slot;
-written whenever a body is bound to the record). So a daemon that starts on the
-data directory keeps those volumes and the family's id slot (the files are owned
-by its host id range), lists the sandbox as ``stopped`` under the same id, and
-``start_sandbox`` gives it a new family and a fresh REPL on the same files: the
-stopped volume becomes a frozen layer under a new writable one, as a fork child's
-does. Memory is lost, and with it checkpoints (a checkpoint is memory).
+A sandbox's processes die with the host (a reboot), or are killed by a daemon
+that could not re-attach to them after a restart (engine.reattach: a REPL that
+did not answer, a workspace). Its files need not go: every record says which
+volumes its root is stacked from (``meta["stack"]``: writable volume, frozen
+layers top first, disk limit, id slot; written whenever a body is bound to the
+record). So a daemon that starts on the data directory keeps those volumes and
+the family's id slot (the files are owned by its host id range), lists the
+sandbox as ``stopped`` under the same id, and ``start_sandbox`` gives it a new
+family and a fresh REPL on the same files: the stopped volume becomes a frozen
+layer under a new writable one, as a fork child's does. Memory is lost, and
+with it checkpoints (a checkpoint is memory).
 
-What is not kept yet, closed at start-up with the reason in its record's meta
-(``lost``): a sandbox with a workspace (its branch's commit bookkeeping lives in
-the daemon's memory), and one whose volumes or id slot are missing.
+What is not kept, closed at start-up with the reason in its record's meta
+(``lost``): a stopped sandbox with a workspace (its branch's commit bookkeeping
+lives in the daemon's memory), and one whose volumes or id slot are missing.
 """
 
 from __future__ import annotations
@@ -68,11 +68,14 @@ class Stopped:
 class StoppedSandboxes:
     """Mixed into Engine (uses its records, layers, id ranges and _spawn)."""
 
-    def _mark_stopped(self) -> None:
-        """At start-up, once an earlier daemon's processes are killed: every sandbox whose
-        files can be kept is ``stopped``; every other one is closed, with the reason."""
+    def _mark_stopped(self, survivors: set[str]) -> None:
+        """At start-up, once an earlier daemon's processes that were not re-attached to
+        (``survivors``) are killed: every other sandbox whose files can be kept is
+        ``stopped``; every other one is closed, with the reason."""
         lost = []
         for rec in self.records.live():
+            if rec.id in survivors:
+                continue
             reason = why_not_kept(rec)
             if reason is None:
                 rec.state = STOPPED
@@ -86,18 +89,21 @@ class StoppedSandboxes:
             self.records.mark_closed(lost)
 
     def _kept_volumes(self) -> set[str]:
-        """Names of the store's volumes that stopped sandboxes stand on."""
+        """Names of the store's volumes that stopped and re-attached sandboxes stand on."""
         names: set[str] = set()
         for rec in self.records.live():
             stack = rec.meta["stack"]
             names.update([stack["volume"], *stack["frozen"]])
         return names
 
-    def _load_stopped(self) -> None:
-        """After the id slots are recovered: each stopped sandbox's layer stack, rebuilt
-        from its record (frozen layers shared between sandboxes are counted once each)."""
+    def _stacks(self) -> dict[str, LayerStack]:
+        """After the id slots are recovered: the layer stack of every sandbox an earlier
+        daemon left, rebuilt from its record (frozen layers shared between sandboxes are
+        one object, counted once per stack). Records whose volumes or slot are gone are
+        closed."""
         frozen: dict[str, FrozenLayer] = {}
         slots: dict[int, object] = {}
+        stacks: dict[str, LayerStack] = {}
         lost = []
         for rec in self.records.live():
             desc = rec.meta["stack"]
@@ -116,13 +122,18 @@ class StoppedSandboxes:
             for layer in layers:
                 layer.refs += 1
             ids.hold()
-            stack = LayerStack(self.layers.root / desc["volume"], layers, [],
-                               disk_bytes=desc["disk_bytes"], ids=ids)
-            self._stopped[rec.id] = Stopped(rec, stack)
+            stacks[rec.id] = LayerStack(self.layers.root / desc["volume"], layers, [],
+                                        disk_bytes=desc["disk_bytes"], ids=ids)
         for ids in slots.values():
             ids.drop()  # adopt's own hold: the stacks hold the slot now
         if lost:
             self.records.mark_closed(lost)
+        return stacks
+
+    def _load_stopped(self, stacks: dict[str, LayerStack]) -> None:
+        for rec in self.records.live():
+            if rec.state == STOPPED and rec.id in stacks:
+                self._stopped[rec.id] = Stopped(rec, stacks[rec.id])
         if self._stopped:
             log.warning("%d sandboxes of an earlier daemon are stopped (files kept; "
                         "start() gives each a fresh REPL)", len(self._stopped))
@@ -184,20 +195,16 @@ class StoppedSandboxes:
             await asyncio.to_thread(self.layers.release, st.stack)
         return True
 
-    async def _keep_all(self) -> None:
-        """A daemon's stop with --keep: every sandbox's processes end, its files and its
-        record stay, so the next daemon lists it as stopped. Checkpoints (memory) go."""
+    async def _leave_running(self) -> None:
+        """A daemon's stop with --keep: every sandbox keeps running, for the next daemon
+        to re-attach to (engine.reattach); this one only lets go of its ends."""
         for sandbox_id in list(self.live):
             sb = self.live.pop(sandbox_id)
             if sb.timer:
                 sb.timer.cancel()
-            await self._free_checkpoints(sandbox_id)
-            try:
-                await self._destroy_body(sb.body, keep_files=True)
-            finally:
-                sb.family.members.discard(sandbox_id)
-                if not sb.family.members:
-                    await sb.family.family.kill()
+            await sb.body.channel.close()  # the keeper holds a copy: the REPL sees no EOF
+        for cp in self._checkpoints.values():
+            await cp.body.channel.close()
 
     def _release_stopped(self) -> None:
         """A daemon's stop without --keep: stopped sandboxes end with the rest."""

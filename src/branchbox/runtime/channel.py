@@ -42,6 +42,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -230,11 +231,17 @@ def interrupt_repl(cgroup: SandboxCgroup, op: str | None) -> None:
 
 
 class AgentChannel:
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, *, resumed: bool = False) -> None:
+        """``resumed``: a channel an earlier daemon used (engine.reattach). The REPL may
+        still answer that daemon's requests; their frames are read and dropped, up to
+        :data:`ABANDONED_DRAIN` bytes, and this daemon's request ids start above any
+        the earlier one can have used (microseconds since the epoch)."""
         sock.setblocking(False)
         self.sock = sock
         self._loop = asyncio.get_running_loop()
-        self._rids = itertools.count(1)
+        self._stale_below = time.time_ns() // 1000 if resumed else 0
+        self._stale_bytes = 0
+        self._rids = itertools.count(self._stale_below + 1)
         self._pending: dict[int, _Request] = {}
         self._orphans: set[_Request] = set()  # abandoned, and the agent is still on them
         self._send_lock = asyncio.Lock()
@@ -276,6 +283,13 @@ class AgentChannel:
                 header, payload, size = await self._read_frame()
                 rid, ev, content = _check(header, payload)
                 req = self._pending.get(rid)
+                if req is None and rid < self._stale_below:  # an earlier daemon's request
+                    self._stale_bytes += size
+                    if self._stale_bytes > ABANDONED_DRAIN:
+                        raise ProtocolViolation("an earlier daemon's requests kept sending "
+                                                f"past {ABANDONED_DRAIN} bytes")
+                    await asyncio.sleep(0)
+                    continue
                 if req is None:
                     raise ProtocolViolation(f"event for request {rid}, which is not open")
                 if req.finished:

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import socket
 import sys
 from collections.abc import Callable
@@ -34,35 +35,78 @@ class SpawnError(RuntimeError):
     """The family or its first sandbox could not be started; the message says why."""
 
 
+def start_time(pid: int) -> int:
+    """When ``pid`` started (clock ticks after boot): with the pid, names one process for
+    good, where a pid alone may be reused once it dies."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[19])
+
+
 @dataclass
 class Family:
     """A running family: its launcher (kill it and the whole family dies).
 
-    ``on_exit`` runs once, after the launcher is reaped: the owner of the family's id
+    The launcher is held by a pidfd, so a daemon that did not start it (a later one,
+    re-attaching after a restart: the launcher outlives the daemon) holds it the same
+    way; ``process`` is set only in the daemon that started it, which must reap it.
+    ``on_exit`` runs once, after the launcher is gone: the owner of the family's id
     range lets go of it there (no process of the family runs in it any more).
     """
 
-    launcher: asyncio.subprocess.Process
+    pid: int
+    pidfd: int
+    started: int  # the launcher's start time: (pid, started) names it in records
+    process: asyncio.subprocess.Process | None = None
     on_exit: Callable[[], None] | None = None
 
+    @property
+    def ident(self) -> tuple[int, int]:
+        return self.pid, self.started
+
+    @classmethod
+    def adopt(cls, pid: int, started: int) -> Family | None:
+        """The launcher an earlier daemon recorded, if that very process still runs."""
+        try:
+            pidfd = os.pidfd_open(pid)
+        except (ProcessLookupError, OSError):
+            return None
+        try:  # checked after the pidfd is taken: it cannot be another process's since
+            if start_time(pid) == started:
+                return cls(pid, pidfd, started)
+        except (OSError, ValueError, IndexError):
+            pass
+        os.close(pidfd)
+        return None
+
     async def kill(self) -> None:
+        if self.pidfd < 0:
+            return
         with contextlib.suppress(ProcessLookupError):
-            self.launcher.kill()
-        await self.launcher.wait()
+            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+        if self.process is not None:
+            await self.process.wait()
+        else:
+            await _readable(self.pidfd)
+        os.close(self.pidfd)
+        self.pidfd = -1
         done, self.on_exit = self.on_exit, None
         if done is not None:
             done()
 
 
-async def _read_some(fd: int, timeout: float) -> bytes:
-    """Read what a pipe offers (b"" at EOF), waiting at most ``timeout`` seconds."""
+async def _readable(fd: int) -> None:
     loop = asyncio.get_running_loop()
     ready: asyncio.Future = loop.create_future()
     loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
     try:
-        await asyncio.wait_for(ready, timeout)
+        await ready
     finally:
         loop.remove_reader(fd)
+
+
+async def _read_some(fd: int, timeout: float) -> bytes:
+    """Read what a pipe offers (b"" at EOF), waiting at most ``timeout`` seconds."""
+    await asyncio.wait_for(_readable(fd), timeout)
     return os.read(fd, 4096)
 
 
@@ -97,11 +141,14 @@ async def spawn_family(
     log_path: Path,
     python: str = "/usr/bin/python3",
     timeout: float = 30.0,
+    started: Callable[[Family], None] | None = None,
 ) -> tuple[Family, AgentChannel]:
     """Start a family whose first sandbox enters ``tree_fd``; returns it once the REPL answers.
 
     Consumes ``tree_fd``, the cgroup fds and the fds of ``mounts`` (more trees to
     attach in the root: (fd, path in the sandbox)). Sandbox root is host id ``uid_base``.
+    ``started`` is called with the family as soon as its launcher runs: the launcher
+    outlives a daemon killed from then on, so that is when it must be recorded.
     """
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     status_r, status_w = os.pipe()
@@ -141,7 +188,10 @@ async def spawn_family(
         for fd in child_fds:
             os.close(fd)
         theirs.detach()
-    family = Family(launcher)
+    family = Family(launcher.pid, os.pidfd_open(launcher.pid), start_time(launcher.pid),
+                    launcher)
+    if started is not None:
+        started(family)
     channel = ping = None
     try:
         if await _read_some(status_r, timeout) != b"u":

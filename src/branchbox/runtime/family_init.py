@@ -5,7 +5,7 @@ daemon) with one JSON argument; see ``runtime.family`` for the other side.
 
 Process tree it leaves behind (host view)::
 
-    launcher (this process; dies with the daemon, takes the family with it)
+    launcher (this process; kill it and the family dies with it; it outlives the daemon)
       └─ family init  = PID 1 of the family PID namespace P; reaps orphans
            └─ first REPL = /usr/bin/python3 of the image running the agent
                 └─ Q init = PID 1 of the sandbox's command namespace Q
@@ -92,7 +92,8 @@ def _family_init(spec: dict, status_w: int) -> None:
 def main() -> None:
     spec = json.loads(sys.argv[1])
     status_w, go_r = spec["status_w"], spec["go_r"]
-    sysc.prctl(sysc.PR_SET_PDEATHSIG, signal.SIGKILL)
+    # No parent-death signal: the family outlives a daemon that dies or restarts, and the
+    # next daemon re-attaches to it (engine.reattach) or kills it.
     sysc.set_process_name("bb-launcher")
     try:
         sysc.unshare(sysc.CLONE_NEWPID)  # first: P then belongs to the host's user namespace
@@ -103,9 +104,6 @@ def main() -> None:
         os.setresgid(0, 0, 0)
         os.setresuid(0, 0, 0)
         os.setgroups([])
-        # The kernel clears the parent-death signal when credentials change: re-arm it,
-        # or a daemon that dies would leave this family running.
-        sysc.prctl(sysc.PR_SET_PDEATHSIG, signal.SIGKILL)
         init_pid = os.fork()
     except BaseException as exc:  # noqa: BLE001
         os.write(status_w, f"family set-up failed: {type(exc).__name__}: {exc}".encode())

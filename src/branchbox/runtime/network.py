@@ -176,14 +176,20 @@ class Network:
         self.firewall: Firewall | None = None
         self.resolvers = host_resolvers()
 
-    async def start(self) -> None:
-        """Sweep what an earlier daemon of this tag left, then build everything afresh."""
+    async def start(self, keep: set[str] = frozenset(), subnet: str | None = None) -> None:
+        """Sweep what an earlier daemon of this tag left, then build everything afresh.
+
+        ``keep``: ports of sandboxes a restarted daemon re-attaches to (an earlier
+        daemon's, on ``subnet``): they stay plugged, and so does the bridge; the
+        firewall is built afresh and the caller admits them again."""
         self.helper = Helper()
         LOCK_PATH.parent.mkdir(parents=True, exist_ok=True)
         with open(LOCK_PATH, "w") as lock:  # two daemons starting must not pick one subnet
             fcntl.flock(lock, fcntl.LOCK_EX)
-            await self.sweep(bridge_too=True)
-            if self.subnet_arg:
+            await self.sweep(bridge_too=not keep, keep=keep)
+            if keep and subnet:
+                self.subnet = ipaddress.ip_network(subnet)
+            elif self.subnet_arg:
                 self.subnet = ipaddress.ip_network(self.subnet_arg)
             else:
                 self.subnet = pick_subnet(host_networks())
@@ -204,10 +210,10 @@ class Network:
         digits = f"{zlib.crc32(self.tag.encode()):08x}"
         return "02:bc:" + ":".join(digits[i:i + 2] for i in range(0, 8, 2))
 
-    async def sweep(self, *, bridge_too: bool) -> None:
-        """Delete this daemon's ports (and bridge) left on the host."""
+    async def sweep(self, *, bridge_too: bool, keep: set[str] = frozenset()) -> None:
+        """Delete this daemon's ports (and bridge) left on the host, but those in ``keep``."""
         names = (await self.helper.call("links"))["names"]
-        mine = [n for n in names if n.startswith(self.port_prefix)]
+        mine = [n for n in names if n.startswith(self.port_prefix) and n not in keep]
         if bridge_too and self.bridge in names:
             mine.append(self.bridge)
         if mine:
@@ -241,6 +247,14 @@ class Network:
     async def unplug(self, ports: list[str]) -> None:
         if ports:
             await self.helper.call("unplug", names=ports)
+
+    def detach(self) -> None:
+        """Let go of the helper and the firewall's library, leaving everything in place."""
+        if self.firewall is not None:
+            self.firewall.nft.close()
+        if self.helper is not None:
+            self.helper.close()
+            self.helper = None
 
     async def stop(self) -> None:
         """Remove the bridge, every port and the firewall."""

@@ -12,6 +12,7 @@ at /.branchbox plus the mount points entry.py uses), then frozen layers.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import stat
@@ -66,13 +67,30 @@ def overlay_tree(upper: Path, work: Path, lowers: list[Path | int]) -> int:
             os.close(fd)
 
 
-def prepare_agent_layer(dest: Path) -> Path:
-    """(Re)build the agent layer at ``dest``: /.branchbox/{bbagent,root,oldroot,proc}.
+def prepare_agent_layer(data_dir: Path, *, in_use: bool) -> Path:
+    """The agent layer of this daemon's agent code: ``data_dir/agent-layer-<digest>``,
+    holding /.branchbox/{bbagent,root,oldroot,proc}; built if missing.
 
-    Rebuilt at every daemon start so sandboxes always run the agent code of
-    the daemon that serves them. Owned by the host's root, so it shows as nobody's
-    inside and nothing in a sandbox can change it, even through its host path.
+    Named by a digest of the agent's sources, so sandboxes always run the agent code
+    of the daemon that serves them, and a daemon of the same code reuses the layer
+    its predecessor built. Another version's layer (an upgrade) is deleted unless
+    ``in_use``: sandboxes a restarted daemon re-attached to stack it, and a lower
+    layer deleted under a mounted overlay would vanish from under them (their forks
+    attach the child's root on its /.branchbox/root). Owned by the host's root, so it
+    shows as nobody's inside and nothing in a sandbox can change it, even through its
+    host path.
     """
+    sources = sorted([*_AGENT_SOURCE.glob("*.py"), _AGENT_SOURCE / "bb_init.c"])
+    digest = hashlib.sha256()
+    for src in sources:
+        digest.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
+    dest = data_dir / f"agent-layer-{digest.hexdigest()[:16]}"
+    if not in_use:
+        for old in data_dir.glob("agent-layer*"):
+            if old != dest:
+                shutil.rmtree(old, ignore_errors=True)
+    if dest.is_dir():
+        return dest
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     top = tmp / ".branchbox"
@@ -84,12 +102,7 @@ def prepare_agent_layer(dest: Path) -> Path:
         (top / mountpoint).mkdir()
     tmp.chmod(0o755)
     top.chmod(0o755)
-    old = dest.with_name(dest.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if dest.exists():
-        dest.rename(old)
     tmp.rename(dest)
-    shutil.rmtree(old, ignore_errors=True)
     return dest
 
 

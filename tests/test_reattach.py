@@ -1,0 +1,165 @@
+"""Sandboxes outlive a daemon killed with -9 (issue 13, part 1): the next daemon on the
+data directory re-attaches to them, under the same ids, REPL state, background
+commands, addresses, checkpoints, pauses, lineage and lifetimes intact; and nothing
+of them is left once it stops. Against real ``branchbox serve`` processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import pytest
+from served import ServedDaemon
+from test_restart import family_pids
+from waiting import eventually
+
+from branchbox import Sandbox, SandboxNotFound
+from branchbox.engine.config import EngineConfig
+
+KEY = "reattach-test-key"
+
+
+@pytest.fixture
+def env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "BRANCHBOX_API_KEY"}
+    env["BRANCHBOX_API_KEY"] = KEY
+    return env
+
+
+def kill9(daemon: ServedDaemon) -> None:
+    daemon.proc.send_signal(signal.SIGKILL)
+    assert daemon.proc.wait(30) == -9
+
+
+def left_behind(daemon: ServedDaemon) -> list[str]:
+    """Processes of the data directory's daemon still running: sandboxes, family
+    launchers and inits, the fd keeper."""
+    group = EngineConfig(data_dir=daemon.data_dir).cgroup_group
+    ps = subprocess.run(["ps", "-eo", "stat=,args="], capture_output=True, text=True).stdout
+    ours = [line for line in ps.splitlines() if not line.startswith("Z") and (
+        "bb-launcher" in line or "bb-family" in line or str(daemon.data_dir) in line)]
+    return ours + [str(pid) for pid in family_pids(group)]
+
+
+@pytest.fixture
+def held() -> list[Sandbox]:
+    """Clients the test made: each lets go of its connections at the end (the sandboxes
+    end with the daemon's stop)."""
+    clients: list[Sandbox] = []
+    yield clients
+    for sb in clients:
+        sb.detach()
+
+
+def connect(sandbox_id: str, daemon: ServedDaemon, held: list[Sandbox]) -> Sandbox:
+    sb = Sandbox.connect(sandbox_id, url=daemon.url, api_key=KEY)
+    held.append(sb)
+    return sb
+
+
+def test_sandboxes_outlive_a_killed_daemon(env: dict[str, str], held: list[Sandbox]) -> None:
+    first = ServedDaemon("reattach", env)
+    daemons = [first]
+    try:
+        sb = Sandbox(url=first.url, api_key=KEY, timeout=3600)
+        sb.run_code("x = 41")
+        sb.exec("sleep 600", background=True)
+        (kid,) = sb.fork(1)
+        kid.run_code("x = 42")
+        cp = sb.checkpoint("before")
+        address = sb.info()["address"]
+        paused = Sandbox(url=first.url, api_key=KEY)
+        paused.run_code("y = 'paused'")
+        paused.pause()
+        short = Sandbox(url=first.url, api_key=KEY, timeout=8)
+        for each in (sb, kid, paused, short):
+            each.detach()
+        kill9(first)
+
+        second = ServedDaemon("reattach", env, data_dir=first.data_dir)
+        daemons.append(second)
+        sb, kid = connect(sb.id, second, held), connect(kid.id, second, held)
+        assert sb.run_code("x").text == "41"
+        assert kid.run_code("x").text == "42"
+        assert "sleep 600" in sb.exec("ps -eo args").stdout  # its command runs on
+        assert sb.info()["address"] == address
+        assert kid.info()["parent_id"] == sb.id
+        assert [c.id for c in sb.checkpoints()] == [cp.id]
+        paused = connect(paused.id, second, held)
+        assert paused.info()["state"] == "paused"
+        paused.resume()
+        assert paused.run_code("y").text == "'paused'"
+
+        (grandkid,) = sb.fork(1)  # the family forks on
+        held.append(grandkid)
+        assert grandkid.run_code("x").text == "41"
+        assert grandkid.info()["address"] not in (address, kid.info()["address"])
+        kid.run_code("x = 43")
+        sb.merge_into(kid)  # the lineage came back: kid is sb's branch
+        assert sb.run_code("x").text == "43"
+        assert sb.info()["address"] == address
+        sb.restore(cp)
+        assert sb.run_code("x").text == "41"
+        # Its lifetime came back too: created with timeout=8, it closes on time.
+        assert eventually(lambda: short.id not in {
+            i["id"] for i in Sandbox.list_all(url=second.url, api_key=KEY)}, within=30)
+        with pytest.raises(SandboxNotFound):
+            connect(short.id, second, held)
+    finally:
+        daemons[-1].stop()
+    assert left_behind(first) == []
+
+
+def test_twenty_kill_restart_rounds(env: dict[str, str], held: list[Sandbox]) -> None:
+    daemon = ServedDaemon("reattach", env)
+    try:
+        a = Sandbox(url=daemon.url, api_key=KEY)
+        a.run_code("n = 0")
+        (a_kid,) = a.fork(1)
+        b = Sandbox(url=daemon.url, api_key=KEY)
+        b.run_code("n = 0")
+        b.exec("sleep 3600", background=True)
+        c = Sandbox(url=daemon.url, api_key=KEY)
+        c.run_code("n = 0")
+        ids = [a.id, a_kid.id, b.id, c.id]
+        for each in (a, a_kid, b, c):
+            each.detach()
+        for round_ in range(1, 21):
+            kill9(daemon)
+            daemon = ServedDaemon("reattach", env, data_dir=daemon.data_dir)
+            for sid in ids:
+                sb = connect(sid, daemon, held)
+                assert sb.run_code("n += 1; n").text == str(round_), (round_, sid)
+        assert "sleep 3600" in connect(b.id, daemon, held).exec("ps -eo args").stdout
+    finally:
+        daemon.stop()
+    assert left_behind(daemon) == []
+
+
+def test_a_repl_that_does_not_answer_comes_back_stopped(env: dict[str, str], held: list[Sandbox]) -> None:
+    """A REPL the new daemon cannot talk to (here: stopped with SIGSTOP, as one stuck
+    would be) is not waited for: its processes are killed, its files kept."""
+    first = ServedDaemon("reattach", env)
+    daemons = [first]
+    try:
+        stuck = Sandbox(url=first.url, api_key=KEY)
+        stuck.files.write("/root/kept.txt", b"kept")
+        pids = stuck.info()["resources"]["host_pids"]
+        fine = Sandbox(url=first.url, api_key=KEY)
+        fine.run_code("z = 'fine'")
+        stuck.detach()
+        fine.detach()
+        kill9(first)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        second = ServedDaemon("reattach", env, data_dir=first.data_dir)
+        daemons.append(second)
+        assert connect(fine.id, second, held).run_code("z").text == "'fine'"
+        stuck = connect(stuck.id, second, held)
+        assert stuck.info()["state"] == "stopped"
+        stuck.start()
+        assert stuck.files.read("/root/kept.txt") == b"kept"
+    finally:
+        daemons[-1].stop()
+    assert left_behind(first) == []
