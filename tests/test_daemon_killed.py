@@ -1,5 +1,5 @@
-"""A daemon killed with -9 (issue 16, finding 7) leaves nothing frozen, nothing mounted twice,
-and no workspace half committed.
+"""A daemon killed with -9 (issue 16, finding 7; issue 13 part 1) leaves nothing frozen,
+nothing mounted twice, no workspace half committed, and no fork or merge half done.
 
 Against real ``branchbox serve`` processes. The commit path's fault injection
 (``BRANCHBOX_COMMIT_FAULT``) makes the daemon SIGKILL itself mid-commit, while the
@@ -113,13 +113,25 @@ def test_a_commit_cut_by_a_kill_is_finished_without_waiting_for_a_restart(
             ServedDaemon("kill9", env, data_dir=daemon.data_dir).stop()
 
 
-def test_a_daemon_killed_inside_a_fork_leaves_nothing_frozen() -> None:
+def killed_by(fault: str) -> tuple[ServedDaemon, dict[str, str]]:
+    """A daemon that SIGKILLs itself at branching fault point ``fault``, and the
+    environment to start its successor with (without the fault)."""
     env = {k: v for k, v in os.environ.items() if k != FORK_FAULT_ENV}
     env["BRANCHBOX_API_KEY"] = "kill9-test-key"
-    daemon = ServedDaemon("kill9", {**env, FORK_FAULT_ENV: "frozen"})
+    return ServedDaemon("kill9", {**env, FORK_FAULT_ENV: fault}), env
+
+
+def ids_of(daemon: ServedDaemon) -> set[str]:
+    return {i["id"] for i in Sandbox.list_all(url=daemon.url, api_key="kill9-test-key")}
+
+
+def test_a_daemon_killed_inside_a_fork_leaves_nothing_frozen_and_no_half_fork() -> None:
+    daemon, env = killed_by("frozen")
     group = EngineConfig(data_dir=daemon.data_dir).cgroup_group
+    restarted = None
     try:
         sb = Sandbox(url=daemon.url, api_key="kill9-test-key")
+        sb.run_code("x = 'before the fork'")
         sb.exec("sleep 600", background=True)  # in the commands leaf the fork freezes
         with pytest.raises(SandboxError):
             sb.fork(1)
@@ -127,8 +139,76 @@ def test_a_daemon_killed_inside_a_fork_leaves_nothing_frozen() -> None:
         sb.detach()
         eventually(lambda: not frozen_cgroups(group), within=10)
         assert not frozen_cgroups(group), f"frozen after the daemon died: {frozen_cgroups(group)}"
+        # The fork is cleanly not done: the parent runs on, no child of it exists.
+        restarted = ServedDaemon("kill9", env, data_dir=daemon.data_dir)
+        assert ids_of(restarted) == {sb.id}
+        sb = Sandbox.connect(sb.id, url=restarted.url, api_key="kill9-test-key")
+        assert sb.run_code("x").text == "'before the fork'"
+        assert "sleep 600" in sb.exec("ps -eo args").stdout
+        (kid,) = sb.fork(1)
+        assert kid.run_code("x").text == "'before the fork'"
+        kid.close()
+        sb.close()
     finally:
         if daemon.proc.poll() is None:
             daemon.stop()
         else:
-            ServedDaemon("kill9", env, data_dir=daemon.data_dir).stop()
+            (restarted or ServedDaemon("kill9", env, data_dir=daemon.data_dir)).stop()
+
+
+def test_a_daemon_killed_once_a_fork_is_recorded_leaves_it_done() -> None:
+    daemon, env = killed_by("adopted")
+    restarted = None
+    try:
+        sb = Sandbox(url=daemon.url, api_key="kill9-test-key")
+        sb.run_code("x = 'forked'")
+        with pytest.raises(SandboxError):
+            sb.fork(3)  # recorded, then the daemon dies before answering
+        assert daemon.proc.wait(30) == -9, daemon.log.read_text()
+        sb.detach()
+        restarted = ServedDaemon("kill9", env, data_dir=daemon.data_dir)
+        kids = ids_of(restarted) - {sb.id}
+        assert len(kids) == 3 and sb.id in ids_of(restarted)
+        for kid_id in kids:
+            kid = Sandbox.connect(kid_id, url=restarted.url, api_key="kill9-test-key")
+            assert kid.info()["parent_id"] == sb.id
+            assert kid.run_code("x").text == "'forked'"
+            kid.close()
+        Sandbox.connect(sb.id, url=restarted.url, api_key="kill9-test-key").close()
+    finally:
+        if daemon.proc.poll() is None:
+            daemon.stop()
+        else:
+            (restarted or ServedDaemon("kill9", env, data_dir=daemon.data_dir)).stop()
+
+
+def test_a_daemon_killed_inside_a_merge_leaves_it_done() -> None:
+    """Killed after the parent's record names the winner's body, before the winner's id
+    is closed: the restarted daemon finishes the merge (the body is the parent's)."""
+    daemon, env = killed_by("merged")
+    restarted = None
+    try:
+        sb = Sandbox(url=daemon.url, api_key="kill9-test-key")
+        sb.run_code("x = 'parent'")
+        (kid,) = sb.fork(1)
+        kid.run_code("x = 'winner'")
+        with pytest.raises(SandboxError):
+            sb.merge_into(kid)
+        assert daemon.proc.wait(30) == -9, daemon.log.read_text()
+        sb.detach()
+        kid.detach()
+        restarted = ServedDaemon("kill9", env, data_dir=daemon.data_dir)
+        assert ids_of(restarted) == {sb.id}
+        sb = Sandbox.connect(sb.id, url=restarted.url, api_key="kill9-test-key")
+        assert sb.run_code("x").text == "'winner'"
+        (again,) = sb.fork(1)  # a later fork and merge work on the merged parent
+        again.run_code("x = 'again'")
+        sb.merge_into(again)
+        assert sb.run_code("x").text == "'again'"
+        again.detach()  # its id ended with the merge
+        sb.close()
+    finally:
+        if daemon.proc.poll() is None:
+            daemon.stop()
+        else:
+            (restarted or ServedDaemon("kill9", env, data_dir=daemon.data_dir)).stop()

@@ -137,7 +137,8 @@ def test_twenty_kill_restart_rounds(env: dict[str, str], held: list[Sandbox]) ->
     assert left_behind(daemon) == []
 
 
-def test_a_repl_that_does_not_answer_comes_back_stopped(env: dict[str, str], held: list[Sandbox]) -> None:
+def test_a_repl_that_does_not_answer_comes_back_stopped(env: dict[str, str],
+                                                        held: list[Sandbox]) -> None:
     """A REPL the new daemon cannot talk to (here: stopped with SIGSTOP, as one stuck
     would be) is not waited for: its processes are killed, its files kept."""
     first = ServedDaemon("reattach", env)
