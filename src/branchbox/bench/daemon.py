@@ -47,12 +47,18 @@ class Daemon:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> Daemon:
+        self.start()
+        return self
+
+    def start(self) -> None:
+        """Start the daemon on the data directory (again, after :meth:`kill`) and wait
+        until it serves."""
         command = [sys.executable, "-m", "branchbox", "serve", "--data-dir", str(self.data_dir)]
         env = dict(os.environ)
         if self.port is not None:
             command += ["--host", "127.0.0.1", "--port", str(self.port)]
             env["BRANCHBOX_API_KEY"] = str(self.api_key)
-        with self.log_path.open("wb") as log:
+        with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 command,
                 env=env,
@@ -65,8 +71,13 @@ class Daemon:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self._stop()
                 raise DaemonError(f"the benchmark daemon did not start; see {self.log_path}")
-            time.sleep(0.1)
-        return self
+            time.sleep(0.01)
+
+    def kill(self) -> None:
+        """kill -9, as a crash would: its sandboxes run on (engine.reattach)."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
 
     def _healthy(self) -> bool:
         """The socket file exists before the engine has started; only healthz tells.

@@ -147,7 +147,7 @@ class Layers:
         ids.hold()
         stack = LayerStack(volume, list(frozen), list(base), disk_bytes=disk_bytes, ids=ids)
         if workspace is not None:
-            self._join(stack, workspace)
+            self.join_workspace(stack, workspace)
         return stack
 
     def limit(self, stack: LayerStack, disk_bytes: int | None) -> None:
@@ -161,10 +161,11 @@ class Layers:
     def add_workspace(self, stack: LayerStack, workspace: WorkspaceBranch) -> None:
         """Give a running sandbox's stack (a warm one) a workspace after the fact."""
         rootfs.prepare_workspace(stack.volume, workspace.lower.host, stack.ids.base)
-        self._join(stack, workspace)
+        self.join_workspace(stack, workspace)
 
     @staticmethod
-    def _join(stack: LayerStack, workspace: WorkspaceBranch) -> None:
+    def join_workspace(stack: LayerStack, workspace: WorkspaceBranch) -> None:
+        """``stack`` (whose volume has the workspace's layers) branches ``workspace``."""
         stack.workspace = replace(workspace)
         workspace.lower.users += 1
 

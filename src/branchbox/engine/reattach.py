@@ -17,9 +17,10 @@ cgroup is there, its socket is kept, and its REPL answers a ``ping`` within
 :data:`PING_WAIT` on that socket (frames of the earlier daemon's requests are
 dropped: runtime.channel's ``resumed``). A stream cut mid-frame by the kill does
 not parse, and a REPL that does not answer in time does not count: such a
-sandbox's processes are killed and it comes back ``stopped`` (engine.stopped),
-as does one with a workspace (its branch's commit bookkeeping was the earlier
-daemon's memory). Everything of the earlier daemon nobody re-attached to goes:
+sandbox's processes are killed and it comes back ``stopped`` (engine.stopped).
+A workspace branch comes back with its host directory, commit base and version
+(the versions committed so far are in SQLite, so first commit wins still holds
+across a restart). Everything of the earlier daemon nobody re-attached to goes:
 warm sandboxes, half-made fork children (their records are written only once
 adopted), launchers of families left without sandboxes, links, leases.
 
@@ -105,7 +106,7 @@ class Reattach:
             sock = socks.pop(rec.instance, None)
             if (rec.state in _ATTACHABLE and family is not None and sock is not None
                     and rec.instance in cgroups and isinstance(rec.meta.get("stack"), dict)
-                    and not rec.meta.get("workspace")
+                    and (not rec.meta.get("workspace") or "workspace" in rec.meta["stack"])
                     and (rec.state != CHECKPOINT or rec.parent_id in parents)):
                 candidates.append((rec, sock, cgroups[rec.instance], family))
             elif sock is not None:
@@ -156,6 +157,7 @@ class Reattach:
                 if stack is None:
                     raise errors.EngineError("its volumes or its id slot are gone")
                 stack.base = await self._base_layers(rec.image)
+                self._rebranch(stack, rec.meta["stack"].get("workspace"))
             except errors.EngineError as exc:
                 log.warning("sandbox %s cannot be re-attached (%s): closed", sid, exc)
                 if stack is not None:
@@ -192,6 +194,19 @@ class Reattach:
         if survivors:
             log.warning("re-attached to %d sandboxes and %d checkpoints of an earlier daemon",
                         len(self.live), len(self._checkpoints))
+
+    def _rebranch(self, stack: LayerStack, desc: dict | None) -> None:
+        """The workspace branch ``stack`` had (its layers are in its volume already): the
+        same host directory, commit base and version (first commit wins still holds)."""
+        if desc is None:
+            return
+        try:
+            host = self._workspace_host(desc["host"])
+        except errors.InvalidRequest as exc:
+            raise errors.EngineError(f"its workspace is gone: {exc}") from None
+        branch = self._workspace_branch(host, stack.ids)
+        branch.since, branch.version = desc["since"], desc["version"]
+        self.layers.join_workspace(stack, branch)
 
     @staticmethod
     async def _refreeze(body: Body) -> None:

@@ -32,6 +32,8 @@ CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 CREATE TABLE IF NOT EXISTS commits (host TEXT PRIMARY KEY, started REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS id_slots (slot INTEGER PRIMARY KEY, family TEXT NOT NULL,
                                      taken REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS workspace_versions (host TEXT PRIMARY KEY,
+                                               version INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS launchers (pid INTEGER NOT NULL, started INTEGER NOT NULL,
                                       PRIMARY KEY (pid, started));
 """
@@ -113,6 +115,15 @@ class Records:
             "WHERE parent_id IS NOT NULL AND json_extract(meta, '$.forked_at') IS NOT NULL "
             "AND state != 'checkpoint'").fetchall()
         return {sid: (parent, int(at)) for sid, parent, at in rows}
+
+    def set_workspace_version(self, host: Path, version: int) -> None:
+        """Commits into ``host`` so far (first commit wins among its branches)."""
+        self.db.execute("INSERT OR REPLACE INTO workspace_versions VALUES (?, ?)",
+                        (str(host), version))
+
+    def workspace_versions(self) -> dict[Path, int]:
+        return {Path(h): v for h, v in
+                self.db.execute("SELECT host, version FROM workspace_versions")}
 
     def put_launcher(self, launcher: tuple[int, int]) -> None:
         """A family runs under this launcher (pid, start time): a restarted daemon

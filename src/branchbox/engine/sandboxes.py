@@ -101,7 +101,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         self._background: set[asyncio.Task] = set()
         self.ids: IdRanges | None = None  # each family's own host id range
         self._workspace_lowers: dict[tuple[Path, int], WorkspaceLower] = {}
-        self._workspace_versions: dict[Path, int] = {}
+        self._workspace_versions: dict[Path, int] = {}  # commits so far, by host dir
         self._warm: dict[str, list[Live]] = {}
         self._warm_waiters: dict[str, deque[asyncio.Future]] = {}  # creates in line (warm.py)
         self._refilling: dict[str, asyncio.Task] = {}
@@ -122,6 +122,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         _raise_fd_limit()
         self.records = Records(cfg.data_dir / "sandboxes.db")
         self.ids = IdRanges(self.records)  # recorded slots stay taken until recover()
+        self._workspace_versions = self.records.workspace_versions()
         self.keeper = await asyncio.to_thread(FdKeeper.connect, cfg.data_dir / "run" / "keeper")
         # An earlier daemon's sandboxes still running (engine.reattach); the rest of what
         # it left is reaped, its files kept as stopped sandboxes (engine.stopped).

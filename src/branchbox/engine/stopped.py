@@ -38,9 +38,15 @@ _RUNNING_STATES = ("ready", "gone", "paused", STOPPED)
 
 
 def describe(stack: LayerStack) -> dict:
-    """What a record keeps of a body's root so a later daemon can stack it again."""
-    return {"volume": stack.volume.name, "frozen": [layer.path.name for layer in stack.frozen],
+    """What a record keeps of a body's root so a later daemon can stack it again (and,
+    re-attaching to its processes, branch its workspace again: engine.reattach)."""
+    desc = {"volume": stack.volume.name, "frozen": [layer.path.name for layer in stack.frozen],
             "disk_bytes": stack.disk_bytes, "slot": None if stack.ids is None else stack.ids.slot}
+    if stack.workspace is not None:
+        ws = stack.workspace
+        desc["workspace"] = {"host": str(ws.lower.host), "since": ws.since,
+                             "version": ws.version}
+    return desc
 
 
 def why_not_kept(rec: SandboxRecord) -> str | None:

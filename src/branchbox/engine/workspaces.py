@@ -24,6 +24,7 @@ from branchbox.engine.layers import (
     WorkspaceLower,
 )
 from branchbox.engine.live import Body
+from branchbox.engine.stopped import describe
 from branchbox.runtime.cgroups import FreezeFailed
 from branchbox.storage import workspace_commit
 
@@ -101,7 +102,10 @@ class Workspaces:
                                          f"{type(exc).__name__}: {exc}") from None
             self.records.end_commit(host)
             self._workspace_versions[host] = current + 1
+            self.records.set_workspace_version(host, current + 1)
             branch.version, branch.since = current + 1, time.time()
+            sb.record.meta = {**sb.record.meta, "stack": describe(sb.body.layers)}
+            self.records.put(sb.record)  # the branch's new version, for a re-attach
             self.events.publish("commit", sb.record, workspace=str(host), version=current + 1,
                                 changed=len(done.changed))
             return {

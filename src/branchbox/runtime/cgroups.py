@@ -303,10 +303,18 @@ class SandboxCgroup:
         for d in self.dirs:
             for leaf in LEAVES:
                 with contextlib.suppress(FileNotFoundError):
-                    _rmdir_retry(d / leaf)
+                    _rmdir_retry(d / leaf, self._kill_late)
             with contextlib.suppress(FileNotFoundError):
-                _rmdir_retry(d)
+                _rmdir_retry(d, self._kill_late)
         self.dirs = []
+
+    def _kill_late(self) -> None:
+        """Kill processes that joined after :meth:`kill`: a fork child enters its cgroups
+        itself, through the fds it was handed, possibly just after the kill looked (a
+        fork that failed half-way is cleaned up while its first children start)."""
+        for pid in self.pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def thaw_leftovers(group: str, root: Path = CGROUP_ROOT) -> int:
@@ -373,8 +381,9 @@ def _cgroup_mounted_at(mountpoint: Path, name: str,
     return False
 
 
-def _rmdir_retry(path: Path) -> None:
-    """rmdir a cgroup; the kernel says EBUSY for a moment after its last task exits."""
+def _rmdir_retry(path: Path, kill_late: Callable[[], None]) -> None:
+    """rmdir a cgroup; the kernel says EBUSY for a moment after its last task exits, and
+    for as long as a task that joined late lives (``kill_late`` ends those)."""
     for _ in range(200):
         try:
             path.rmdir()
@@ -382,5 +391,6 @@ def _rmdir_retry(path: Path) -> None:
         except OSError as exc:
             if exc.errno != 16:  # EBUSY
                 raise
+            kill_late()
             time.sleep(0.005)
     path.rmdir()
