@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import functools
 import itertools
+import json
 import logging
 import socket
 import time
@@ -146,6 +147,7 @@ class Reattach:
                         stacks: dict[str, LayerStack]) -> None:
         """Serve the survivors again (after the store, id slots and network are up)."""
         handles: dict[tuple[int, int], FamilyHandle] = {}
+        by_policy: dict[str, tuple[dict, list[str]]] = {}  # one firewall change per policy
         lineage = self.records.lineage()
         top = max([0, *(at for _, at in lineage.values()),
                    *(s.record.meta.get("gen", 0) for s in survivors.values())])
@@ -182,7 +184,9 @@ class Reattach:
             handle.members.add(sid)
             sb = Live(rec, body, handle, generation=rec.meta.get("gen", 0),
                       forked_at=rec.meta.get("forked_at"))
-            self.net.apply([body.key], rec.meta.get("network") or self.net.policy_of(None, None))
+            policy = rec.meta.get("network") or self.net.policy_of(None, None)
+            by_policy.setdefault(json.dumps(policy, sort_keys=True), (policy, []))[1].append(
+                body.key)
             if rec.state == PAUSED:
                 await self._refreeze(body)
             self._serve(sb)
@@ -191,6 +195,8 @@ class Reattach:
                 self._arm(sb, max(expires - time.time(), 1e-3))
             if idle := rec.meta.get("idle_timeout"):
                 self._close_when_idle(sb, idle)
+        for policy, keys in by_policy.values():
+            self.net.apply(keys, policy)
         if survivors:
             log.warning("re-attached to %d sandboxes and %d checkpoints of an earlier daemon",
                         len(self.live), len(self._checkpoints))
