@@ -57,6 +57,14 @@ def held() -> list[Sandbox]:
         sb.detach()
 
 
+def freezer_state(pid: int) -> str:
+    """The freezer state of the cgroup v1 leaf process ``pid`` is in."""
+    line = next(x for x in Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+                if ":freezer:" in x)
+    return Path("/sys/fs/cgroup/freezer", line.split(":", 2)[2].lstrip("/"),
+                "freezer.state").read_text().strip()
+
+
 def connect(sandbox_id: str, daemon: ServedDaemon, held: list[Sandbox]) -> Sandbox:
     sb = Sandbox.connect(sandbox_id, url=daemon.url, api_key=KEY)
     held.append(sb)
@@ -76,11 +84,17 @@ def test_sandboxes_outlive_a_killed_daemon(env: dict[str, str], held: list[Sandb
         address = sb.info()["address"]
         paused = Sandbox(url=first.url, api_key=KEY)
         paused.run_code("y = 'paused'")
+        paused_pids = paused.info()["resources"]["host_pids"]
         paused.pause()
         short = Sandbox(url=first.url, api_key=KEY, timeout=8)
         for each in (sb, kid, paused, short):
             each.detach()
         kill9(first)
+        # The thaw guard thaws what a dead daemon froze for a moment, not a pause.
+        group = EngineConfig(data_dir=first.data_dir).cgroup_group
+        assert eventually(lambda: f"thaw_guard {group}" not in subprocess.run(
+            ["ps", "-eo", "args"], capture_output=True, text=True).stdout, within=10)
+        assert {freezer_state(pid) for pid in paused_pids} == {"FROZEN"}
 
         second = ServedDaemon("reattach", env, data_dir=first.data_dir)
         daemons.append(second)

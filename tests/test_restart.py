@@ -17,7 +17,7 @@ from served import ServedDaemon
 
 from branchbox import Sandbox, SandboxError, SandboxNotFound
 from branchbox.engine.config import EngineConfig
-from branchbox.runtime.cgroups import SandboxCgroup
+from branchbox.runtime.cgroups import SandboxCgroup, thaw_leftovers
 
 KEY = "restart-test-key"
 
@@ -30,6 +30,7 @@ def kill_hard(daemon: ServedDaemon, group: str) -> None:
     """kill -9 the daemon, then every process of its sandboxes, as a host reboot would."""
     daemon.proc.send_signal(signal.SIGKILL)
     daemon.proc.wait()
+    thaw_leftovers(group)  # a checkpoint stays frozen without a daemon; a reboot kills it too
     for pid in family_pids(group):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

@@ -106,7 +106,7 @@ class Checkpoints:
             except FreezeFailed as exc:
                 raise errors.Conflict(f"checkpoint failed: {exc}") from None
             try:
-                await asyncio.to_thread(body.cgroup.freeze)
+                await self._hold_frozen(body)
             except BaseException:
                 await self._destroy_body(body)
                 raise

@@ -42,6 +42,7 @@ class Body:
     repl_host: int | None = None  # the REPL's host pid, once found (a fork, its network)
     stopped: str | None = None  # why the daemon killed its processes (engine.run_guard)
     killing: asyncio.Future | None = None  # that kill, until every process is gone
+    held_frozen: bool = False  # paused or a checkpoint: the thaw guard leaves it frozen
 
 
 @dataclass(eq=False)

@@ -18,7 +18,7 @@ import asyncio
 import time
 
 from branchbox.engine import errors
-from branchbox.engine.live import Live
+from branchbox.engine.live import Body, Live
 from branchbox.runtime.cgroups import FreezeFailed
 
 PAUSED = "paused"
@@ -39,7 +39,7 @@ class Pausing:
             if sb.record.state != PAUSED:
                 self._check_alive(sb)
                 try:
-                    await asyncio.to_thread(sb.body.cgroup.freeze)
+                    await self._hold_frozen(sb.body)
                 except FreezeFailed as exc:
                     raise errors.Conflict(f"pause failed: {exc}") from None
                 self._stop_clock(sb)
@@ -54,12 +54,25 @@ class Pausing:
         """Thaw the sandbox and restart its lifetime clock; idempotent. Returns its info."""
         sb = self.get(sandbox_id)
         if sb.record.state == PAUSED:
+            self._let_thaw(sb.body)
             await asyncio.to_thread(sb.body.cgroup.freeze, None, False)
             sb.record.state = "ready"
             self._start_clock(sb)
             self.records.put(sb.record)
             self.events.publish("resume", sb.record)
         return self.info(sandbox_id)
+
+    async def _hold_frozen(self, body: Body) -> None:
+        """Freeze the whole body, on purpose: a daemon that dies leaves it frozen (its
+        thaw guard thaws only what was frozen for a moment: runtime.thaw_guard)."""
+        await asyncio.to_thread(body.cgroup.freeze)
+        body.held_frozen = True
+        self._thaw_guard.hold_frozen(body.key)
+
+    def _let_thaw(self, body: Body) -> None:
+        if body.held_frozen:
+            body.held_frozen = False
+            self._thaw_guard.hold_frozen(body.key, frozen=False)
 
     @staticmethod
     def _stop_clock(sb: Live) -> None:

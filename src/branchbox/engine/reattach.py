@@ -25,10 +25,10 @@ warm sandboxes, half-made fork children (their records are written only once
 adopted), launchers of families left without sandboxes, links, leases.
 
 Not kept across a restart: a call under way at the kill (its client gets a
-broken connection; its output is dropped, the REPL finishes it on its own),
-the idle clock (it starts again) and the thaw guard's freezes: the guard thaws
-everything when a daemon dies, so paused sandboxes and checkpoints are frozen
-again here.
+broken connection; its output is dropped, the REPL finishes it on its own) and
+the idle clock (it starts again). Paused sandboxes and checkpoints stay frozen
+while no daemon runs (the thaw guard thaws only what was frozen for a moment);
+each is thawed here for its ping, then frozen again.
 """
 
 from __future__ import annotations
@@ -135,9 +135,13 @@ class Reattach:
                        family: Family) -> Survivor | None:
         channel = AgentChannel(sock, resumed=True)
         try:
+            if rec.state in (PAUSED, CHECKPOINT):  # left frozen by the thaw guard
+                if rec.state == CHECKPOINT:  # its commands stay frozen: it is an instant
+                    await asyncio.to_thread(cgroup.freeze, "cmds")
+                await asyncio.to_thread(cgroup.freeze, None, False)  # for the ping
             await asyncio.wait_for(channel.call("ping"), PING_WAIT)
             return Survivor(rec, channel, cgroup, family)
-        except (TimeoutError, AgentError, ChannelClosed, OSError) as exc:
+        except (TimeoutError, AgentError, ChannelClosed, OSError, FreezeFailed) as exc:
             log.warning("sandbox %s did not answer after the restart (%s): stopped", rec.id,
                         exc or "timeout")
             await channel.close()
@@ -172,7 +176,8 @@ class Reattach:
                 continue
             body = Body(rec.instance, stack, s.cgroup, s.channel)
             if rec.state == CHECKPOINT:
-                await self._refreeze(body)
+                with contextlib.suppress(FreezeFailed):  # an instant: it must not run
+                    await self._hold_frozen(body)
                 self._checkpoints[sid] = Checkpoint(rec, body)
                 continue
             handle = handles.get(s.family.ident)
@@ -188,7 +193,8 @@ class Reattach:
             by_policy.setdefault(json.dumps(policy, sort_keys=True), (policy, []))[1].append(
                 body.key)
             if rec.state == PAUSED:
-                await self._refreeze(body)
+                with contextlib.suppress(FreezeFailed):
+                    await self._hold_frozen(body)
             self._serve(sb)
             expires = rec.meta.get("expires")
             if rec.state != PAUSED and isinstance(expires, (int, float)):
@@ -213,8 +219,3 @@ class Reattach:
         branch = self._workspace_branch(host, stack.ids)
         branch.since, branch.version = desc["since"], desc["version"]
         self.layers.join_workspace(stack, branch)
-
-    @staticmethod
-    async def _refreeze(body: Body) -> None:
-        with contextlib.suppress(FreezeFailed):  # a frozen instant or a paused sandbox
-            await asyncio.to_thread(body.cgroup.freeze)

@@ -582,6 +582,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         With ``keep_files`` its layers stay in the store (a stop that keeps sandboxes)."""
         await self.net.release(body.key)  # first: it can no longer speak on the bridge
         self.keeper.drop([body.key])
+        self._let_thaw(body)
         try:
             await asyncio.to_thread(body.cgroup.remove)
         finally:

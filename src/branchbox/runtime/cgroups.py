@@ -317,14 +317,16 @@ class SandboxCgroup:
                 os.kill(pid, signal.SIGKILL)
 
 
-def thaw_leftovers(group: str, root: Path = CGROUP_ROOT) -> int:
-    """Thaw every sandbox cgroup of ``group`` an earlier daemon left; return how many.
+def thaw_leftovers(group: str, root: Path = CGROUP_ROOT, skip: set[str] = frozenset()) -> int:
+    """Thaw every sandbox cgroup of ``group`` an earlier daemon left but those named in
+    ``skip`` (frozen on purpose); return how many.
 
     A daemon killed inside a fork or a commit leaves that sandbox frozen. Thawing kills
     nothing, so a daemon that re-attaches to its predecessor's sandboxes can call this
     before anything else (runtime.thaw_guard calls it the moment a daemon dies).
     """
-    leftovers = SandboxCgroup.leftovers(group, root)
+    leftovers = [cg for cg in SandboxCgroup.leftovers(group, root)
+                 if cg.dirs and cg.dirs[0].name not in skip]
     for cg in leftovers:
         cg.thaw()
     return len(leftovers)

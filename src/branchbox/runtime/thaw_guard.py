@@ -9,9 +9,12 @@ workspace commit leaves the host directory half old, half new until then, too.
 So the daemon starts this small process at start-up, holding the write end of a
 pipe whose read end is this process's stdin (close-on-exec in the daemon, so no
 sandbox process keeps it open). The daemon writes the host directory of every
-commit it begins there, one JSON string a line. When the read returns end-of-file
-the daemon is gone, and this process thaws every cgroup of the daemon's group
-(:func:`branchbox.runtime.cgroups.thaw_leftovers`), finishes or undoes every commit
+commit it begins there, one JSON string a line, and the cgroups that must stay
+frozen (paused sandboxes, checkpoints: ``{"hold": key}`` / ``{"release": key}``).
+When the read returns end-of-file the daemon is gone, and this process thaws every
+other cgroup of the daemon's group (:func:`branchbox.runtime.cgroups.thaw_leftovers`;
+a paused sandbox stays paused until a later daemon re-attaches to it or reaps it),
+finishes or undoes every commit
 the daemon left (:func:`branchbox.storage.journal.recover`: idempotent, and it
 leaves alone a commit whose process still holds its lock), and exits. It kills
 nothing: a later daemon decides whether to re-attach the sandboxes or reap them.
@@ -49,11 +52,19 @@ class ThawGuard:
     def pid(self) -> int:
         return self._proc.pid
 
+    def _tell(self, message: object) -> None:
+        if self._proc.stdin is not None:
+            self._proc.stdin.write(json.dumps(message).encode() + b"\n")
+            self._proc.stdin.flush()
+
     def commit_started(self, host: Path) -> None:
         """A commit into ``host`` begins: if the daemon dies now, the guard recovers it."""
-        if self._proc.stdin is not None:
-            self._proc.stdin.write(json.dumps(str(host)).encode() + b"\n")
-            self._proc.stdin.flush()
+        self._tell(str(host))
+
+    def hold_frozen(self, key: str, frozen: bool = True) -> None:
+        """Sandbox cgroup ``key`` is frozen on purpose (paused, a checkpoint): the guard
+        leaves it frozen (or, with ``frozen=False``, no longer does)."""
+        self._tell({"hold" if frozen else "release": key})
 
     def stop(self) -> None:
         """Close the pipe (the guard thaws what is left, then exits) and reap it."""
@@ -70,9 +81,16 @@ def main(argv: list[str]) -> int:
     (group,) = argv
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     hosts: dict[str, None] = {}
+    held: set[str] = set()
     for line in sys.stdin.buffer:  # ends at the daemon's death (or its graceful stop)
-        hosts[json.loads(line)] = None
-    thawed = thaw_leftovers(group)
+        message = json.loads(line)
+        if isinstance(message, str):
+            hosts[message] = None
+        elif "hold" in message:
+            held.add(message["hold"])
+        else:
+            held.discard(message["release"])
+    thawed = thaw_leftovers(group, skip=held)
     if thawed:
         print(f"thaw guard: thawed {thawed} sandbox cgroups of {group}", file=sys.stderr)
     for host in hosts:
