@@ -85,6 +85,15 @@ def sandbox(harness: Harness) -> Iterator[Sandbox]:
 
 
 @pytest.fixture
+def workspace() -> Iterator[Path]:
+    """A host directory to use as a sandbox's workspace (removed afterwards)."""
+    ws = Path(tempfile.mkdtemp(prefix="branchbox-test-ws-"))
+    ws.chmod(0o755)
+    yield ws
+    shutil.rmtree(ws, ignore_errors=True)
+
+
+@pytest.fixture
 def make(harness: Harness) -> Iterator[Callable[..., Sandbox]]:
     """Create sandboxes that are closed at the end of the test, whatever happens."""
     made: list[Sandbox] = []

@@ -12,13 +12,11 @@ remove, the one cgroup hierarchy mount its predecessor left.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from served import ServedDaemon
+from test_restart import stop_last
 from waiting import eventually
 
 from branchbox import Sandbox, SandboxError
@@ -46,14 +44,6 @@ def mounts_under(path: Path) -> list[str]:
             if f" {path}/" in line]
 
 
-@pytest.fixture
-def workspace() -> Iterator[Path]:
-    ws = Path(tempfile.mkdtemp(prefix="branchbox-test-ws-"))
-    ws.chmod(0o755)
-    yield ws
-    shutil.rmtree(ws, ignore_errors=True)
-
-
 def test_a_daemon_killed_inside_a_commit_leaves_nothing_frozen(workspace: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
     env["BRANCHBOX_API_KEY"] = "kill9-test-key"
@@ -77,10 +67,7 @@ def test_a_daemon_killed_inside_a_commit_leaves_nothing_frozen(workspace: Path) 
         restarted = ServedDaemon("kill9", env, data_dir=daemon.data_dir)
         assert len(mounts_under(daemon.data_dir)) == 1, mounts_under(daemon.data_dir)
     finally:
-        if daemon.proc.poll() is None:  # failed before the kill
-            daemon.stop()
-        else:  # reap what the killed daemon left
-            (restarted or ServedDaemon("kill9", env, data_dir=daemon.data_dir)).stop()
+        stop_last(daemon, restarted, env)  # or reap what the killed daemon left
     assert not mounts_under(daemon.data_dir), mounts_under(daemon.data_dir)
 
 
@@ -107,10 +94,7 @@ def test_a_commit_cut_by_a_kill_is_finished_without_waiting_for_a_restart(
         assert {p.name for p in workspace.iterdir()} == names
         assert not staging()
     finally:
-        if daemon.proc.poll() is None:
-            daemon.stop()
-        else:
-            ServedDaemon("kill9", env, data_dir=daemon.data_dir).stop()
+        stop_last(daemon, None, env)
 
 
 def killed_by(fault: str) -> tuple[ServedDaemon, dict[str, str]]:
@@ -150,10 +134,7 @@ def test_a_daemon_killed_inside_a_fork_leaves_nothing_frozen_and_no_half_fork() 
         kid.close()
         sb.close()
     finally:
-        if daemon.proc.poll() is None:
-            daemon.stop()
-        else:
-            (restarted or ServedDaemon("kill9", env, data_dir=daemon.data_dir)).stop()
+        stop_last(daemon, restarted, env)
 
 
 def test_a_daemon_killed_once_a_fork_is_recorded_leaves_it_done() -> None:
@@ -176,10 +157,7 @@ def test_a_daemon_killed_once_a_fork_is_recorded_leaves_it_done() -> None:
             kid.close()
         Sandbox.connect(sb.id, url=restarted.url, api_key="kill9-test-key").close()
     finally:
-        if daemon.proc.poll() is None:
-            daemon.stop()
-        else:
-            (restarted or ServedDaemon("kill9", env, data_dir=daemon.data_dir)).stop()
+        stop_last(daemon, restarted, env)
 
 
 def test_a_daemon_killed_inside_a_merge_leaves_it_done() -> None:
@@ -208,7 +186,4 @@ def test_a_daemon_killed_inside_a_merge_leaves_it_done() -> None:
         again.detach()  # its id ended with the merge
         sb.close()
     finally:
-        if daemon.proc.poll() is None:
-            daemon.stop()
-        else:
-            (restarted or ServedDaemon("kill9", env, data_dir=daemon.data_dir)).stop()
+        stop_last(daemon, restarted, env)

@@ -7,16 +7,14 @@ processes."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from served import ServedDaemon
 from test_restart import family_pids
+from test_security_isolation import _SYSCALLS, _pid
 from waiting import eventually
 
 from branchbox import Sandbox, SandboxNotFound, StaleBranchError
@@ -185,14 +183,6 @@ def test_a_repl_that_does_not_answer_comes_back_stopped(env: dict[str, str],
     assert eventually(lambda: left_behind(first) == [], within=10), left_behind(first)
 
 
-@pytest.fixture
-def workspace() -> Iterator[Path]:
-    ws = Path(tempfile.mkdtemp(prefix="branchbox-test-ws-"))
-    ws.chmod(0o755)
-    yield ws
-    shutil.rmtree(ws, ignore_errors=True)
-
-
 def test_a_workspace_branch_outlives_a_killed_daemon(env: dict[str, str], held: list[Sandbox],
                                                      workspace: Path) -> None:
     """Same host directory, same commit base; first commit wins across the restart."""
@@ -218,5 +208,31 @@ def test_a_workspace_branch_outlives_a_killed_daemon(env: dict[str, str], held: 
         (kid,) = sb.fork(1)  # a fork after the restart branches the same workspace
         held.append(kid)
         assert kid.exec(f"cat {workspace}/two").stdout == "two\n"
+    finally:
+        daemon.stop()
+
+
+def test_branches_deeper_than_landlock_keep_their_signal_guard(env: dict[str, str],
+                                                              held: list[Sandbox]) -> None:
+    """A deep branch's signal filter listener is held by the keeper while no daemon
+    runs and answered by the next one: its calls neither fail nor get through."""
+    daemon = ServedDaemon("reattach", env)
+    try:
+        sb = Sandbox(url=daemon.url, api_key=KEY)
+        held.append(sb)
+        sb.run_code(_SYSCALLS)
+        for _ in range(18):
+            (child,) = sb.fork(n=1)
+            sb.merge_into(child)
+            child.detach()
+        a, b = sb.fork(n=2)
+        held += [a, b]
+        kill9(daemon)
+        daemon = ServedDaemon("reattach", env, data_dir=daemon.data_dir)
+        a, b = connect(a.id, daemon, held), connect(b.id, daemon, held)
+        assert a.run_code(f"try_kill({_pid(b)}, signal.SIGKILL)").text == "1"  # EPERM
+        own = "import subprocess; p = subprocess.Popen(['sleep', '30']); try_kill(p.pid, 9)"
+        assert a.run_code(own).text == "0"
+        assert b.run_code("6 * 7").text == "42"
     finally:
         daemon.stop()

@@ -29,6 +29,7 @@ from branchbox.engine.stopped import describe
 from branchbox.runtime import procfs
 from branchbox.runtime.cgroups import FreezeFailed, Limits, SandboxCgroup
 from branchbox.runtime.channel import AgentChannel, AgentError
+from branchbox.runtime.fd_keeper import SIGNAL_LISTENER
 from branchbox.storage import layerdiff
 
 # Frozen layers a root may stack before a fork squashes them into one.
@@ -260,7 +261,12 @@ class Branching:
         host = body.repl_host or procfs.find_repl(body.cgroup.pids(), int(hello.get("pid") or 0))
         if host is None:
             raise errors.EngineError("fork failed: a child's REPL is not in its cgroup")
-        await asyncio.to_thread(self.signal_guard.take, host, int(hello["signal_listener"]))
+        listener = await asyncio.to_thread(self.signal_guard.take, host,
+                                           int(hello["signal_listener"]))
+        # Kept for a daemon that re-attaches after a restart (the keeper lets go of it once
+        # no process is under its filter): without a listener the calls would fail.
+        self.keeper.keep([(SIGNAL_LISTENER + body.key, listener)])
+        self.signal_guard.serve(listener)
         await body.channel.call("drop_listener")
 
     async def _send_slot(self, channel: AgentChannel, sid: str, body: Body,

@@ -53,6 +53,7 @@ from branchbox.engine.records import SandboxRecord
 from branchbox.runtime.cgroups import FreezeFailed, SandboxCgroup
 from branchbox.runtime.channel import AgentChannel, AgentError
 from branchbox.runtime.family import Family
+from branchbox.runtime.fd_keeper import SIGNAL_LISTENER
 
 log = logging.getLogger("branchbox.engine")
 
@@ -82,7 +83,10 @@ class Reattach:
     async def _find_survivors(self) -> dict[str, Survivor]:
         """The earlier daemon's sandboxes that still run and answer, by id. Kills the
         launchers no survivor needs; what else it left is reaped by the caller."""
-        socks = await asyncio.to_thread(self.keeper.take)
+        kept = await asyncio.to_thread(self.keeper.take)
+        for key in [k for k in kept if k.startswith(SIGNAL_LISTENER)]:
+            self.signal_guard.serve(kept.pop(key))  # deep branches' signal calls go on
+        socks = {key: socket.socket(fileno=fd) for key, fd in kept.items()}
         group = self.config.cgroup_group
         cgroups = {cg.dirs[0].name: cg for cg in SandboxCgroup.leftovers(group) if cg.dirs}
         launchers: dict[tuple[int, int], Family | None] = {
@@ -162,6 +166,8 @@ class Reattach:
             try:
                 if stack is None:
                     raise errors.EngineError("its volumes or its id slot are gone")
+                if rec.state == CHECKPOINT and rec.parent_id not in self.live:
+                    raise errors.EngineError("its sandbox did not come back")
                 stack.base = await self._base_layers(rec.image)
                 self._rebranch(stack, rec.meta["stack"].get("workspace"))
             except errors.EngineError as exc:
@@ -203,6 +209,10 @@ class Reattach:
                 self._close_when_idle(sb, idle)
         for policy, keys in by_policy.values():
             self.net.apply(keys, policy)
+        for s in survivors.values():  # a family none of whose sandboxes came back
+            if s.family.ident not in handles and s.family.pidfd >= 0:
+                await s.family.kill()
+                self.records.drop_launcher(s.family.ident)
         if survivors:
             log.warning("re-attached to %d sandboxes and %d checkpoints of an earlier daemon",
                         len(self.live), len(self._checkpoints))

@@ -9,7 +9,10 @@ back and talks to the same REPLs again (``engine.reattach``).
 
 The keeper never reads from a socket it holds (a frame read here would be lost to
 the daemon): it polls them for ``POLLRDHUP`` only and drops a socket once the
-REPL's end is closed, or when the daemon says the body is gone. No frame passes
+REPL's end is closed, or when the daemon says the body is gone. It holds the
+signal guard's seccomp listeners the same way (keys ``signal:<body>``; a listener
+hangs up once no process is under its filter), so deep branches' signal calls
+wait for the next daemon instead of failing. No frame passes
 through it, so calls cost nothing extra; a body costs one ``sendmsg`` when it is
 made. It talks only to the daemon, over a ``SOCK_SEQPACKET`` socket in the daemon's
 private run directory (mode 0700): nothing in a sandbox can reach it.
@@ -40,6 +43,8 @@ from pathlib import Path
 log = logging.getLogger("branchbox.runtime")
 
 BATCH = 200  # fds per message (the kernel takes at most 253 in one SCM_RIGHTS)
+SIGNAL_LISTENER = "signal:"
+"""Key prefix of a signal guard's listener (runtime.signal_guard), kept like a socket."""
 _MSG = 64 * 1024
 
 
@@ -106,16 +111,15 @@ class FdKeeper:
         if keys:
             self._send({"op": "drop", "keys": keys})
 
-    def take(self) -> dict[str, socket.socket]:
-        """Every socket the keeper holds (it keeps holding them too), by key."""
+    def take(self) -> dict[str, int]:
+        """A copy of every fd the keeper holds (it keeps holding them too), by key."""
         self._conn.sendall(json.dumps({"op": "take"}).encode())
-        out: dict[str, socket.socket] = {}
+        out: dict[str, int] = {}
         while True:
             message, fds = _recv(self._conn)
             if message.get("end"):
                 return out
-            for key, fd in zip(message["keys"], fds, strict=True):
-                out[key] = socket.socket(fileno=fd)
+            out.update(zip(message["keys"], fds, strict=True))
 
     def quit(self) -> None:
         """The daemon stops for good: the keeper lets go of everything and exits."""

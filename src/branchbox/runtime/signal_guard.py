@@ -121,8 +121,8 @@ class SignalGuard:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
-    def take(self, host_pid: int, fd: int) -> None:
-        """Take listener ``fd`` out of process ``host_pid`` and start answering it."""
+    def take(self, host_pid: int, fd: int) -> int:
+        """Take listener ``fd`` out of process ``host_pid``; returns it (for :meth:`serve`)."""
         pidfd = os.pidfd_open(host_pid)
         try:
             ret = sysc.libc().syscall(ctypes.c_long(_SYS_PIDFD_GETFD), ctypes.c_int(pidfd),
@@ -133,7 +133,13 @@ class SignalGuard:
         finally:
             os.close(pidfd)
         os.set_inheritable(ret, False)
-        thread = threading.Thread(target=self._serve, args=(ret,), name="bb-signal-guard",
+        return ret
+
+    def serve(self, listener: int) -> None:
+        """Start answering ``listener`` (consumed: closed once its filter has no process
+        left). Also a listener an earlier daemon took, held by the fd keeper meanwhile:
+        until then the kernel holds the calls."""
+        thread = threading.Thread(target=self._serve, args=(listener,), name="bb-signal-guard",
                                   daemon=True)
         self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
