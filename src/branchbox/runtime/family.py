@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -29,6 +30,11 @@ _BOOT = (
     "import sys; sys.path.insert(0, {src!r}); "
     "from branchbox.runtime.family_init import main; main()"
 )
+
+
+KILL_WAIT = 5.0
+"""Seconds a launcher has to end its family on SIGTERM before it is SIGKILLed."""
+log = logging.getLogger("branchbox.runtime")
 
 
 class SpawnError(RuntimeError):
@@ -79,14 +85,20 @@ class Family:
         return None
 
     async def kill(self) -> None:
+        """End the family: SIGTERM has the launcher kill the family's init and reap it,
+        then exit; SIGKILL if it has not within :data:`KILL_WAIT`."""
         if self.pidfd < 0:
             return
-        with contextlib.suppress(ProcessLookupError):
-            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
-        if self.process is not None:
-            await self.process.wait()
-        else:
-            await _readable(self.pidfd)
+        for signo in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.pidfd, signo)
+            try:
+                await asyncio.wait_for(_readable(self.pidfd), KILL_WAIT)
+                break
+            except TimeoutError:
+                log.warning("family launcher %d ignored SIGTERM for %g s", self.pid, KILL_WAIT)
+        if self.process is not None:  # reap it (an earlier daemon's launcher is not this
+            await self.process.wait()  # one's child: the host's init reaps that one)
         os.close(self.pidfd)
         self.pidfd = -1
         done, self.on_exit = self.on_exit, None

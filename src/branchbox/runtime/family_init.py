@@ -5,7 +5,7 @@ daemon) with one JSON argument; see ``runtime.family`` for the other side.
 
 Process tree it leaves behind (host view)::
 
-    launcher (this process; kill it and the family dies with it; it outlives the daemon)
+    launcher (this process; SIGTERM ends the family; it outlives the daemon)
       └─ family init  = PID 1 of the family PID namespace P; reaps orphans
            └─ first REPL = /usr/bin/python3 of the image running the agent
                 └─ Q init = PID 1 of the sandbox's command namespace Q
@@ -93,8 +93,18 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     status_w, go_r = spec["status_w"], spec["go_r"]
     # No parent-death signal: the family outlives a daemon that dies or restarts, and the
-    # next daemon re-attaches to it (engine.reattach) or kills it.
+    # next daemon re-attaches to it (engine.reattach) or ends it with SIGTERM.
     sysc.set_process_name("bb-launcher")
+    init = [0]
+
+    def end_family(signo: int, frame: object) -> None:
+        """SIGTERM: kill the family's init (its namespace dies with it) and let the wait
+        below reap it, so no init is left an orphan for the host's init to reap."""
+        if not init[0]:
+            os._exit(1)
+        os.kill(init[0], signal.SIGKILL)
+
+    signal.signal(signal.SIGTERM, end_family)
     try:
         sysc.unshare(sysc.CLONE_NEWPID)  # first: P then belongs to the host's user namespace
         sysc.unshare(sysc.CLONE_NEWUSER)
@@ -104,7 +114,7 @@ def main() -> None:
         os.setresgid(0, 0, 0)
         os.setresuid(0, 0, 0)
         os.setgroups([])
-        init_pid = os.fork()
+        init_pid = init[0] = os.fork()
     except BaseException as exc:  # noqa: BLE001
         os.write(status_w, f"family set-up failed: {type(exc).__name__}: {exc}".encode())
         os._exit(1)
