@@ -15,7 +15,7 @@ import time
 import pytest
 from served import ServedDaemon
 
-from branchbox import Sandbox, SandboxError, SandboxNotFound
+from branchbox import Sandbox, SandboxError, SandboxNotFound, StaleBranchError
 from branchbox.engine.config import EngineConfig
 from branchbox.runtime.cgroups import SandboxCgroup, thaw_leftovers
 
@@ -143,3 +143,39 @@ def test_a_stop_with_keep_leaves_sandboxes_running() -> None:
     finally:
         stop_last(first, second, env)
     assert family_pids(group) == []
+
+
+def test_a_stopped_sandbox_starts_again_on_its_workspace_branch(workspace) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "BRANCHBOX_API_KEY"}
+    env["BRANCHBOX_API_KEY"] = KEY
+    first = ServedDaemon("restart", env)
+    group = EngineConfig(data_dir=first.data_dir).cgroup_group
+    second = None
+    try:
+        sb = Sandbox(url=first.url, api_key=KEY, workspace=str(workspace))
+        (sibling,) = sb.fork(1)
+        sibling.exec(f"echo first > {workspace}/first")
+        sibling.commit()  # the sandbox's branch is stale from here on
+        sb.exec(f"echo mine > {workspace}/mine")
+        later = Sandbox(url=first.url, api_key=KEY, workspace=str(workspace))  # branched after
+        later.exec(f"echo later > {workspace}/later")
+        for each in (sb, sibling, later):
+            each.detach()
+        kill_hard(first, group)
+
+        second = ServedDaemon("restart", env, data_dir=first.data_dir)
+        sb = Sandbox.connect(sb.id, url=second.url, api_key=KEY)
+        assert sb.info()["state"] == "stopped"
+        sb.start()
+        assert sb.exec(f"cat {workspace}/mine").stdout == "mine\n"  # its changes came back
+        with pytest.raises(StaleBranchError):  # and its commit base: first commit wins
+            sb.commit()
+        assert sorted(p.name for p in workspace.iterdir()) == ["first"]
+        later = Sandbox.connect(later.id, url=second.url, api_key=KEY).start()
+        assert later.commit()["version"] == 2
+        assert sorted(p.name for p in workspace.iterdir()) == ["first", "later"]
+        later.close()
+        sb.close()
+        Sandbox.connect(sibling.id, url=second.url, api_key=KEY).close()
+    finally:
+        stop_last(first, second, env)

@@ -2,7 +2,7 @@
 
 A sandbox's processes die with the host (a reboot), or are killed by a daemon
 that could not re-attach to them after a restart (engine.reattach: a REPL that
-did not answer, a workspace). Its files need not go: every record says which
+did not answer). Its files need not go: every record says which
 volumes its root is stacked from (``meta["stack"]``: writable volume, frozen
 layers top first, disk limit, id slot; written whenever a body is bound to the
 record). So a daemon that starts on the data directory keeps those volumes and
@@ -10,11 +10,13 @@ the family's id slot (the files are owned by its host id range), lists the
 sandbox as ``stopped`` under the same id, and ``start_sandbox`` gives it a new
 family and a fresh REPL on the same files: the stopped volume becomes a frozen
 layer under a new writable one, as a fork child's does. Memory is lost, and
-with it checkpoints (a checkpoint is memory).
+with it checkpoints (a checkpoint is memory). A workspace branch starts again
+on the same host directory with its changes (they are in the volume, under
+ws/), its commit base and its version, so first commit wins still holds.
 
 What is not kept, closed at start-up with the reason in its record's meta
-(``lost``): a stopped sandbox with a workspace (its branch's commit bookkeeping
-lives in the daemon's memory), and one whose volumes or id slot are missing.
+(``lost``): one whose volumes or id slot are missing, and one with a workspace
+whose record predates the branch's description in ``meta["stack"]``.
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ def why_not_kept(rec: SandboxRecord) -> str | None:
         return f"a {rec.state} sandbox holds memory only"
     if not isinstance(rec.meta.get("stack"), dict):
         return "its record does not say which volumes hold its files"
-    if rec.meta.get("workspace"):
-        return "sandboxes with a workspace are not kept across a daemon restart yet"
+    if rec.meta.get("workspace") and "workspace" not in rec.meta["stack"]:
+        return "its record does not describe its workspace branch"
     return None
 
 
@@ -168,16 +170,21 @@ class StoppedSandboxes:
             if self._stopped.get(sandbox_id) is not st:  # started or closed meanwhile
                 return self.info(sandbox_id)
             meta = st.record.meta
+            branch = meta["stack"].get("workspace")
+            host = None if branch is None else self._workspace_host(branch["host"])
             # The stopped volume is frozen as it is, under a new writable volume: the
             # failure of any later step leaves the stopped sandbox exactly as it was.
             top = await asyncio.to_thread(self.layers.freeze, st.stack)
             try:
                 sb = await self._spawn(st.record.image, {**meta, "cwd": "/", "disk_mb": None},
-                                       None, None, sid=st.id, frozen=[top, *st.stack.frozen],
+                                       None, host, sid=st.id, frozen=[top, *st.stack.frozen],
                                        ids=st.stack.ids)
             finally:
                 if top.refs == 0:
                     self.layers.drop(top)
+            if branch is not None:  # the same branch: first commit wins across the stop
+                sb.body.layers.workspace.since = branch["since"]
+                sb.body.layers.workspace.version = branch["version"]
             with contextlib.suppress(AgentError, ChannelClosed, OSError):  # cwd may be gone
                 await sb.body.channel.call("configure", {"env": {}, "cwd": meta.get("cwd")})
             del self._stopped[sandbox_id]
