@@ -82,12 +82,18 @@ class ServedDaemon:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
 
+def env_with_key(key: str) -> dict[str, str]:
+    """The tests' environment with ``key`` as the daemon's one API key (whatever
+    ``BRANCHBOX_API_KEY`` the tests were started with)."""
+    return {**{k: v for k, v in os.environ.items() if k != "BRANCHBOX_API_KEY"},
+            "BRANCHBOX_API_KEY": key}
+
+
 @contextmanager
 def served_with_key(prefix: str, key: str, **env: str) -> Iterator[ServedDaemon]:
-    """A daemon whose one API key is ``key`` (whatever ``BRANCHBOX_API_KEY`` the tests
-    were started with) and with ``env`` in its environment, stopped at the end."""
-    base = {k: v for k, v in os.environ.items() if k != "BRANCHBOX_API_KEY"}
-    served = ServedDaemon(prefix, {**base, **env, "BRANCHBOX_API_KEY": key})
+    """A daemon whose one API key is ``key`` and with ``env`` in its environment, stopped
+    at the end."""
+    served = ServedDaemon(prefix, {**env_with_key(key), **env})
     try:
         yield served
     finally:

@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from served import ServedDaemon
+from served import ServedDaemon, env_with_key
 from test_restart import family_pids
 from test_security_isolation import _SYSCALLS, _pid
 from waiting import eventually
@@ -25,9 +25,7 @@ KEY = "reattach-test-key"
 
 @pytest.fixture
 def env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "BRANCHBOX_API_KEY"}
-    env["BRANCHBOX_API_KEY"] = KEY
-    return env
+    return env_with_key(KEY)
 
 
 def kill9(daemon: ServedDaemon) -> None:

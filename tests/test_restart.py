@@ -13,7 +13,7 @@ import signal
 import time
 
 import pytest
-from served import ServedDaemon
+from served import ServedDaemon, env_with_key
 
 from branchbox import Sandbox, SandboxError, SandboxNotFound, StaleBranchError
 from branchbox.engine.config import EngineConfig
@@ -65,8 +65,7 @@ def stop_last(first: ServedDaemon, second: ServedDaemon | None, env: dict[str, s
 
 
 def test_sandboxes_come_back_stopped_with_their_files() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "BRANCHBOX_API_KEY"}
-    env["BRANCHBOX_API_KEY"] = KEY
+    env = env_with_key(KEY)
     first = ServedDaemon("restart", env)
     group = EngineConfig(data_dir=first.data_dir).cgroup_group
     second = None
@@ -120,8 +119,7 @@ def test_sandboxes_come_back_stopped_with_their_files() -> None:
 
 
 def test_a_stop_with_keep_leaves_sandboxes_running() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "BRANCHBOX_API_KEY"}
-    env["BRANCHBOX_API_KEY"] = KEY
+    env = env_with_key(KEY)
     first = ServedDaemon("keep", env, "--keep")
     group = EngineConfig(data_dir=first.data_dir).cgroup_group
     second = None
@@ -146,8 +144,7 @@ def test_a_stop_with_keep_leaves_sandboxes_running() -> None:
 
 
 def test_a_stopped_sandbox_starts_again_on_its_workspace_branch(workspace) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "BRANCHBOX_API_KEY"}
-    env["BRANCHBOX_API_KEY"] = KEY
+    env = env_with_key(KEY)
     first = ServedDaemon("restart", env)
     group = EngineConfig(data_dir=first.data_dir).cgroup_group
     second = None

@@ -372,7 +372,7 @@ class Branching:
         sb.record.meta = {**sb.record.meta, "stack": describe(sb.body.layers),
                           "gen": sb.generation}
         self.records.put(sb.record)
-        self._keep_channel(sb.body)
+        self._keep_channels([sb.body])
 
     async def _take_over(self, sb: Live, old: Body) -> None:
         """Finish a rebind (recorded already): watch and name the new body, give it the

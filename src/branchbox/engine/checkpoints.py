@@ -118,7 +118,7 @@ class Checkpoints:
             cp = Checkpoint(record, body)
             self._checkpoints[cp.id] = cp
             self.records.put(record)
-            self._keep_channel(body)
+            self._keep_channels([body])
             self.events.publish("checkpoint", sb.record, checkpoint=cp.id, name=name)
             return cp
         finally:

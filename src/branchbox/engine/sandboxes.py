@@ -451,7 +451,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
             if timeout:
                 self._arm(sb, timeout)
         self.records.put(*(sb.record for sb in made))
-        self.keeper.keep([(sb.body.key, sb.body.channel.sock.fileno()) for sb in made])
+        self._keep_channels([sb.body for sb in made])
         for sb in made:
             self._serve(sb)
 
@@ -465,8 +465,9 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         sb.watcher = asyncio.get_running_loop().create_task(self._watch(sb, sb.body))
         sb.body.channel.on_abandon = functools.partial(self._on_abandon, sb.body)
 
-    def _keep_channel(self, body: Body) -> None:
-        self.keeper.keep([(body.key, body.channel.sock.fileno())])
+    def _keep_channels(self, bodies: list[Body]) -> None:
+        """Hand the keeper these bodies' control sockets (one message per 200)."""
+        self.keeper.keep([(body.key, body.channel.sock.fileno()) for body in bodies])
 
     def _arm(self, sb: Live, seconds: float) -> None:
         """``sb`` closes ``seconds`` from now; the instant is recorded (by the caller's
@@ -577,9 +578,8 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         """Destroy a body in the background (stop() waits for it)."""
         self._track(asyncio.get_running_loop().create_task(self._destroy_body(body)))
 
-    async def _destroy_body(self, body: Body, *, keep_files: bool = False) -> None:
-        """Kill, disconnect and free a body; each step runs even if an earlier one failed.
-        With ``keep_files`` its layers stay in the store (a stop that keeps sandboxes)."""
+    async def _destroy_body(self, body: Body) -> None:
+        """Kill, disconnect and free a body; each step runs even if an earlier one failed."""
         await self.net.release(body.key)  # first: it can no longer speak on the bridge
         self.keeper.drop([body.key])
         self._let_thaw(body)
@@ -590,8 +590,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
                 if body.channel is not None:
                     await body.channel.close()
             finally:
-                if not keep_files:
-                    self.layers.release(body.layers)
+                self.layers.release(body.layers)
 
     async def update_network(self, sandbox_id: str, internet: bool | None = None,
                              network: dict | None = None) -> dict:
