@@ -334,8 +334,10 @@ class Branching:
                     "was forked (first merge wins)")
             self._check_alive(winner)
             old = self._rebind(parent, winner.body)
-            self._record_rebind(parent)  # before the winner's close: a kill between the
-            if os.environ.get(FORK_FAULT_ENV) == "merged":  # two leaves the merge done
+            # Recorded before the winner's id is closed: a kill between the two leaves the
+            # merge done (engine.reattach gives the body to the newer generation).
+            self._record_rebind(parent)
+            if os.environ.get(FORK_FAULT_ENV) == "merged":
                 os.kill(os.getpid(), signal.SIGKILL)
             self.live.pop(winner.id)
             if winner.timer:
