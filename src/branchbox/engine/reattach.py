@@ -88,7 +88,7 @@ class Reattach:
             self.signal_guard.serve(kept.pop(key))  # deep branches' signal calls go on
         socks = {key: socket.socket(fileno=fd) for key, fd in kept.items()}
         group = self.config.cgroup_group
-        cgroups = {cg.dirs[0].name: cg for cg in SandboxCgroup.leftovers(group) if cg.dirs}
+        cgroups = {cg.name: cg for cg in SandboxCgroup.leftovers(group)}
         launchers: dict[tuple[int, int], Family | None] = {
             ident: Family.adopt(*ident) for ident in self.records.launchers()}
         records = self.records.live()

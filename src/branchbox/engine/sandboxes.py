@@ -165,7 +165,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         """Kill and remove the processes of an earlier daemon of this data directory that
         nobody re-attached to (cgroups not in ``keep``)."""
         for cg in SandboxCgroup.leftovers(self.config.cgroup_group):
-            if not cg.dirs or cg.dirs[0].name not in keep:
+            if cg.name not in keep:
                 cg.remove()
 
     def _clear_volumes(self) -> None:

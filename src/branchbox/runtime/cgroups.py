@@ -126,6 +126,11 @@ class SandboxCgroup:
             with contextlib.suppress(OSError):
                 d.parent.rmdir()
 
+    @property
+    def name(self) -> str:
+        """The sandbox body's key: its directories' name ("" once removed)."""
+        return self.dirs[0].name if self.dirs else ""
+
     def _file(self, controller: str, name: str) -> Path:
         if self.version == 2:
             return self.dirs[0] / name
@@ -281,40 +286,34 @@ class SandboxCgroup:
                 self.freeze()
             except FreezeFailed:
                 frozen = False
-            for pid in self.pids():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            _sigkill(self.pids())
             self.thaw()  # frozen processes cannot die
             if not frozen:
-                for pid in self.pids():
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+                _sigkill(self.pids())
         deadline = time.monotonic() + timeout
         while (left := self.pids()) and time.monotonic() < deadline:
             if not frozen:
-                for pid in left:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+                _sigkill(left)
             time.sleep(0.001)
 
     def remove(self) -> None:
-        """Kill what is left and delete the directories (idempotent)."""
+        """Kill what is left and delete the directories (idempotent).
+
+        A process may join after the kill looked: a fork child enters its cgroups itself,
+        through the fds it was handed (a fork that failed half-way is cleaned up while its
+        first children start). An rmdir that finds one busy kills it too."""
         self.kill()
+
+        def kill_late() -> None:
+            _sigkill(self.pids())
+
         for d in self.dirs:
             for leaf in LEAVES:
                 with contextlib.suppress(FileNotFoundError):
-                    _rmdir_retry(d / leaf, self._kill_late)
+                    _rmdir_retry(d / leaf, kill_late)
             with contextlib.suppress(FileNotFoundError):
-                _rmdir_retry(d, self._kill_late)
+                _rmdir_retry(d, kill_late)
         self.dirs = []
-
-    def _kill_late(self) -> None:
-        """Kill processes that joined after :meth:`kill`: a fork child enters its cgroups
-        itself, through the fds it was handed, possibly just after the kill looked (a
-        fork that failed half-way is cleaned up while its first children start)."""
-        for pid in self.pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
 
 
 def thaw_leftovers(group: str, root: Path = CGROUP_ROOT, skip: set[str] = frozenset()) -> int:
@@ -325,8 +324,7 @@ def thaw_leftovers(group: str, root: Path = CGROUP_ROOT, skip: set[str] = frozen
     nothing, so a daemon that re-attaches to its predecessor's sandboxes can call this
     before anything else (runtime.thaw_guard calls it the moment a daemon dies).
     """
-    leftovers = [cg for cg in SandboxCgroup.leftovers(group, root)
-                 if cg.dirs and cg.dirs[0].name not in skip]
+    leftovers = [cg for cg in SandboxCgroup.leftovers(group, root) if cg.name not in skip]
     for cg in leftovers:
         cg.thaw()
     return len(leftovers)
@@ -381,6 +379,12 @@ def _cgroup_mounted_at(mountpoint: Path, name: str,
                 and name.encode() in fields[sep + 3].split(b",")):
             return True
     return False
+
+
+def _sigkill(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _rmdir_retry(path: Path, kill_late: Callable[[], None]) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from branchbox.runtime.channel import AgentChannel
+from branchbox.runtime.procfs import start_time
 from branchbox.storage.idmap import UID_COUNT
 
 _SRC = str(Path(__file__).resolve().parents[2])
@@ -39,13 +40,6 @@ log = logging.getLogger("branchbox.runtime")
 
 class SpawnError(RuntimeError):
     """The family or its first sandbox could not be started; the message says why."""
-
-
-def start_time(pid: int) -> int:
-    """When ``pid`` started (clock ticks after boot): with the pid, names one process for
-    good, where a pid alone may be reused once it dies."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat[stat.rindex(")") + 2:].split()[19])
 
 
 @dataclass
@@ -96,7 +90,8 @@ class Family:
                 await asyncio.wait_for(_readable(self.pidfd), KILL_WAIT)
                 break
             except TimeoutError:
-                log.warning("family launcher %d ignored SIGTERM for %g s", self.pid, KILL_WAIT)
+                log.warning("family launcher %d still runs %g s after signal %d", self.pid,
+                            KILL_WAIT, signo)
         if self.process is not None:  # reap it (an earlier daemon's launcher is not this
             await self.process.wait()  # one's child: the host's init reaps that one)
         os.close(self.pidfd)

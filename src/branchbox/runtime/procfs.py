@@ -73,16 +73,27 @@ def inherited(pid: int | None) -> dict:
         return {}
 
 
+def _stat_fields(pid: int) -> list[str]:
+    """Fields 3.. of ``/proc/PID/stat`` (after the name, which may hold spaces): index
+    ``n - 3`` is field ``n`` of proc(5)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()
+
+
+def start_time(pid: int) -> int:
+    """When ``pid`` started (clock ticks after boot, field 22): with the pid, names one
+    process for good, where a pid alone may be reused once it dies."""
+    return int(_stat_fields(pid)[19])
+
+
 def cpu_seconds(pids: list[int]) -> float:
     """User and system time of ``pids`` and of the children they reaped, in seconds
     (a process that ends between the listing and the read counts as nothing)."""
     ticks = 0
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
+            fields = _stat_fields(pid)
         except OSError:
             continue
-        # After the name: state is field 3, utime..cstime are fields 14..17 (proc(5)).
-        ticks += sum(int(v) for v in fields[11:15])
+        ticks += sum(int(v) for v in fields[11:15])  # utime..cstime: fields 14..17
     return ticks / os.sysconf("SC_CLK_TCK")
