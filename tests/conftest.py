@@ -15,12 +15,15 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from waiting import eventually
 
 from branchbox import Sandbox
 from branchbox.engine.config import EngineConfig
@@ -60,6 +63,18 @@ class Harness:
     def host_path(self, sb: Sandbox, path: str) -> Path:
         """Where a file the sandbox wrote lands on the host: its writable layer."""
         return self.engine.get(sb.id).body.layers.volume / "upper" / path.lstrip("/")
+
+    def start_run(self, sb: Sandbox, code: str, **kwargs) -> threading.Thread:
+        """``sb.run_code(code)`` on a thread, returned once the REPL is running it (it
+        touches a file first, seen from the host): a call made after this one queues
+        behind it, however slow the machine."""
+        marker = f"/tmp/run-started-{uuid.uuid4().hex}"
+        runner = threading.Thread(target=sb.run_code, args=(
+            f"open({marker!r}, 'w').close()\n{code}",), kwargs=kwargs)
+        runner.start()
+        if not eventually(self.host_path(sb, marker).exists, within=30):
+            pytest.fail("the run never started in the sandbox")
+        return runner
 
     def stop(self, keep_data: bool = False) -> None:
         """Stop the engine and remove its data directory (a test run used to leave ~40 MB

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from served import ServedDaemon
+from waiting import eventually
 
 from branchbox import AsyncSandbox, SandboxTimeout
 from branchbox.engine.config import EngineConfig
@@ -129,9 +130,11 @@ def test_a_run_that_ignores_its_interrupt_is_busy_then_stopped(
 
 def test_calls_abandoned_while_queued_never_run(daemon: ServedDaemon, api: httpx.Client,
                                                 sid: str) -> None:
-    first = threading.Thread(target=run, args=(api, sid, "import time\ntime.sleep(4)"))
+    first = threading.Thread(target=run, args=(
+        api, sid, "open('/tmp/first', 'w').close()\nimport time\ntime.sleep(4)"))
     first.start()
-    time.sleep(0.5)
+    # The run holds the REPL once its marker is in a writable layer (copy storage's volumes).
+    assert eventually(lambda: any(daemon.data_dir.glob("volumes/*/upper/tmp/first")))
     quitters = [threading.Thread(target=give_up_after, args=(
         daemon, 1, sid, "open('/root/ran', 'a').write('x')")) for _ in range(3)]
     for quitter in quitters:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 
 from branchbox import InvalidRequest, Sandbox, SandboxNotFound, StaleBranchError
@@ -170,17 +167,13 @@ def test_failed_child_creation_cleans_up(sandbox, harness, monkeypatch) -> None:
 
 
 def test_fork_waits_for_a_busy_repl_or_says_409(sandbox, harness) -> None:
-    runner = threading.Thread(target=sandbox.run_code, args=("import time; time.sleep(1.5)",))
-    runner.start()
-    time.sleep(0.3)
+    runner = harness.start_run(sandbox, "import time; time.sleep(1.5)")
     (child,) = sandbox.fork(1)  # waits for the running call
     runner.join()
     child.close()
     harness.engine.config.busy_wait = 0.2
     try:
-        runner = threading.Thread(target=sandbox.run_code, args=("time.sleep(2)",))
-        runner.start()
-        time.sleep(0.3)
+        runner = harness.start_run(sandbox, "time.sleep(2)")
         from branchbox import Conflict
 
         with pytest.raises(Conflict, match="busy"):

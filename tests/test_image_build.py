@@ -8,8 +8,6 @@ import json
 import os
 import stat
 import tarfile
-import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -273,10 +271,8 @@ def test_removing_an_image_lets_go_of_its_id_mapped_views(harness, make) -> None
 
 def test_save_image_waits_for_the_call_under_way(harness, make) -> None:
     sb = make()
-    runner = threading.Thread(target=sb.run_code, args=(
-        "import time; time.sleep(2); open('/root/late.txt', 'w').write('late')",))
-    runner.start()
-    time.sleep(0.5)
+    runner = harness.start_run(
+        sb, "import time; time.sleep(2); open('/root/late.txt', 'w').write('late')")
     try:
         sb.save_image("after-the-call")
     finally:

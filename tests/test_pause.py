@@ -3,7 +3,6 @@ timeouts stop counting; REST, both SDK faces and the listing show the state."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
@@ -59,17 +58,9 @@ def test_a_paused_sandbox_runs_nothing_and_keeps_its_state(harness, make) -> Non
 def test_a_pause_waits_for_the_call_in_progress(harness, make) -> None:
     """No call is frozen half-way (its deadline would run out while paused): pause waits."""
     sb = make()
-    done = threading.Event()
-
-    def run() -> None:
-        sb.run_code("import time; time.sleep(1.5); finished = True", timeout=3)
-        done.set()
-
-    runner = threading.Thread(target=run)
-    runner.start()
-    time.sleep(0.4)  # the run holds the REPL now
+    runner = harness.start_run(sb, "import time; time.sleep(1.5); finished = True", timeout=10)
     sb.pause()
-    assert done.is_set(), "pause returned while a run was still going"
+    assert not runner.is_alive(), "pause returned while a run was still going"
     runner.join()
     sb.resume()
     assert sb.run_code("finished").text == "True"
