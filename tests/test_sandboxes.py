@@ -27,6 +27,18 @@ def test_quickstart(sandbox, harness) -> None:
     assert sandbox.run_code("open('/root/data/x.txt').read()").text == "'hi'"
 
 
+def test_the_repl_loads_the_agent_from_byte_code_made_ahead(make) -> None:
+    """The agent layer is read-only in a sandbox: without its byte-code made when the
+    layer is built, every REPL start would compile the agent again."""
+    sb = make()
+    missing = sb.run_code(
+        "import os, sys\n"
+        "sorted(n for n, m in list(sys.modules.items()) if n.startswith('bbagent')"
+        " and not os.path.exists(m.__cached__))").text
+    assert missing == "[]"
+    assert "bbagent.main" in sb.run_code("import sys; sorted(sys.modules)").text
+
+
 def test_repl_keeps_state_streams_and_reports_errors(sandbox) -> None:
     seen: list[str] = []
     r = sandbox.run_code("x = 41\nprint('hello')\nx + 1", on_stdout=seen.append)

@@ -6,9 +6,11 @@ submodules inside every sandbox process, which must not pay for httpx.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+TYPE_CHECKING = False  # not typing's: every family's launcher imports this package
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from branchbox.sdk import (
         AsyncCheckpoint,
         AsyncCommandHandle,

@@ -39,7 +39,6 @@ import os
 import signal
 import socket
 import struct
-from dataclasses import dataclass
 
 from . import confine, sysc
 
@@ -107,13 +106,18 @@ def _mount_dev(root: str) -> None:
     os.symlink("/proc/self/fd", dev + "/fd")
 
 
-@dataclass
 class Entered:
     """What a process that entered its sandbox holds: the socket to its spawner, and the
-    listener of a signal filter it had to add (to hand to the daemon), or None."""
+    listener of a signal filter it had to add (to hand to the daemon), or None.
 
-    spawner: int
-    listener: int | None
+    A plain class, not a dataclass: every family's launcher imports this module, and
+    ``dataclasses`` (with ``inspect``) is a third of its start-up."""
+
+    __slots__ = ("listener", "spawner")
+
+    def __init__(self, spawner: int, listener: int | None) -> None:
+        self.spawner = spawner
+        self.listener = listener
 
 
 _SUPERVISED = False  # a signal filter is on this line of descent already (fork copies it)

@@ -12,11 +12,14 @@ at /.branchbox plus the mount points entry.py uses), then frozen layers.
 
 from __future__ import annotations
 
+import compileall
 import hashlib
 import os
+import py_compile
 import shutil
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -81,7 +84,7 @@ def prepare_agent_layer(data_dir: Path, *, in_use: bool) -> Path:
     host path.
     """
     sources = sorted([*_AGENT_SOURCE.glob("*.py"), _AGENT_SOURCE / "bb_init.c"])
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(sys.implementation.cache_tag.encode())  # its byte-code's tag
     for src in sources:
         digest.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
     dest = data_dir / f"agent-layer-{digest.hexdigest()[:16]}"
@@ -97,6 +100,7 @@ def prepare_agent_layer(data_dir: Path, *, in_use: bool) -> Path:
     (top / "bbagent").mkdir(parents=True)
     for src in _AGENT_SOURCE.glob("*.py"):
         shutil.copy2(src, top / "bbagent" / src.name)
+    _compile_agent(top / "bbagent")
     _compile_init(top / "bb-init")
     for mountpoint in ("root", "oldroot", "proc"):
         (top / mountpoint).mkdir()
@@ -104,6 +108,20 @@ def prepare_agent_layer(data_dir: Path, *, in_use: bool) -> Path:
     top.chmod(0o755)
     tmp.rename(dest)
     return dest
+
+
+def _compile_agent(package: Path) -> None:
+    """Byte-code for the agent, made once here: the layer is read-only in a sandbox, so
+    without it every REPL start compiled the whole agent again (~25 ms of CPU a create).
+
+    Compiled by the daemon's own interpreter, so only images whose Python has the same
+    version find it (the default image's does); another version compiles at each start,
+    as before. Unchecked hashes: the layer is named by its sources' digest and never
+    changes, so no start needs to stat the sources to trust the byte-code.
+    """
+    if not compileall.compile_dir(package, quiet=1, workers=1,
+                                  invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH):
+        raise RuntimeError(f"compiling the agent in {package} failed")
 
 
 def _compile_init(dest: Path) -> None:
