@@ -146,7 +146,7 @@ def _leftovers() -> list[str]:
         # earlier daemon started) is the host's init's job, which may take a while here.
         if stat[stat.rindex(")") + 2] == "Z":
             continue
-        if name in ("bb-launcher", "bb-family", "bb-init"):
+        if name in ("bb-zygote", "bb-launcher", "bb-family", "bb-init"):
             found.append(f"process: {comm.parent.name} {name}")
     return found + _network_leftovers()
 

@@ -36,7 +36,6 @@ import os
 import signal
 import socket
 import time
-from dataclasses import dataclass, field
 
 from . import entry, huge_heap, protocol, sysc
 
@@ -44,30 +43,37 @@ _OPEN_FLAGS_KEPT = ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC | 0o2000000)  # and not
 _O_CLOEXEC = 0o2000000
 
 
-@dataclass
 class _Slot:
-    sandbox_id: str
-    tree: int
-    ctrl: int
-    repl_cgroup: list[int]
-    cmds_cgroup: list[int]
-    mounts: list[tuple[int, str]]
+    """What the daemon sent for one child of a fork: its id and the fds it enters with.
+
+    This module's classes are plain, not dataclasses: every REPL imports them at its
+    start, and ``dataclasses`` (with ``inspect``, ``ast``...) was a sixth of that."""
+
+    def __init__(self, sandbox_id: str, tree: int, ctrl: int, repl_cgroup: list[int],
+                 cmds_cgroup: list[int], mounts: list[tuple[int, str]]) -> None:
+        self.sandbox_id = sandbox_id
+        self.tree = tree
+        self.ctrl = ctrl
+        self.repl_cgroup = repl_cgroup
+        self.cmds_cgroup = cmds_cgroup
+        self.mounts = mounts
 
     def fds(self) -> list[int]:
         return [self.tree, self.ctrl, *self.repl_cgroup, *self.cmds_cgroup,
                 *(fd for fd, _ in self.mounts)]
 
 
-@dataclass
 class _Batch:
     """What every child of one fork inherits, looked at once when its first slot arrives."""
 
-    started: float
-    reopen: list[tuple[int, str, int, int]]
-    close: list[int]
-    threads: int
-    cwd: str
-    pids: list[int] = field(default_factory=list)
+    def __init__(self, started: float, reopen: list[tuple[int, str, int, int]],
+                 close: list[int], threads: int, cwd: str) -> None:
+        self.started = started
+        self.reopen = reopen
+        self.close = close
+        self.threads = threads
+        self.cwd = cwd
+        self.pids: list[int] = []
 
     @property
     def warning(self) -> str | None:
@@ -77,12 +83,12 @@ class _Batch:
                 "the thread that forked, so locks held by the others stay held")
 
 
-@dataclass
 class _State:
-    spawner: int = -1  # socket to bb-init, which starts this sandbox's commands in Q
-    listener: int = -1  # a signal filter's listener, until the daemon has taken it
-    batch: _Batch | None = None  # a fork in progress (between the first slot and "fork")
-    warning: str | None = None
+    def __init__(self) -> None:
+        self.spawner = -1  # socket to bb-init, which starts this sandbox's commands in Q
+        self.listener = -1  # a signal filter's listener, until the daemon has taken it
+        self.batch: _Batch | None = None  # a fork in progress (first slot to "fork")
+        self.warning: str | None = None
 
 
 STATE = _State()

@@ -42,7 +42,6 @@ import time
 import traceback
 import types
 import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
 from .capture import FdCapture
@@ -161,21 +160,22 @@ def _fresh_namespace() -> dict[str, Any]:
     return {"__name__": "__main__", "__builtins__": builtins}
 
 
-@dataclass
 class _Context:
-    """A named namespace of the REPL (see the module docstring)."""
+    """A named namespace of the REPL (see the module docstring). Plain classes here, as in
+    ``forking``: no ``dataclasses`` import at every REPL start."""
 
-    cwd: str | None
-    namespace: dict[str, Any] = field(default_factory=_fresh_namespace)
+    def __init__(self, cwd: str | None) -> None:
+        self.cwd = cwd
+        self.namespace: dict[str, Any] = _fresh_namespace()
 
 
-@dataclass
 class _Outcome:
-    text: str | None = None
-    results: dict[str, Any] = field(default_factory=dict)
-    figures: list[dict[str, str]] = field(default_factory=list)
-    error: dict[str, str] | None = None
-    timed_out: bool = False
+    def __init__(self) -> None:
+        self.text: str | None = None
+        self.results: dict[str, Any] = {}
+        self.figures: list[dict[str, str]] = []
+        self.error: dict[str, str] | None = None
+        self.timed_out = False
 
 
 class Repl:

@@ -19,7 +19,6 @@ import contextlib
 import ctypes
 import os
 import struct
-import uuid
 
 from . import sysc
 from .files import UPLOAD_PREFIX, check_path
@@ -169,7 +168,7 @@ class Watches:
                                "remove one first")
         watch = _Watch(agent, check_path(param(req, "path", str)),
                        param(req, "recursive", bool, False))
-        watch_id = uuid.uuid4().hex
+        watch_id = os.urandom(16).hex()
         self.watches[watch_id] = watch
         agent.done(req["rid"], {"id": watch_id})
 

@@ -52,7 +52,7 @@ from branchbox.engine.workspaces import Workspaces
 from branchbox.runtime import rootfs, smaps
 from branchbox.runtime.cgroups import Limits, SandboxCgroup, favor_dynamic_moves
 from branchbox.runtime.channel import AgentChannel, AgentError, interrupt_repl
-from branchbox.runtime.family import Family, spawn_family
+from branchbox.runtime.family import Family, Zygote, spawn_family
 from branchbox.runtime.fd_keeper import FdKeeper
 from branchbox.runtime.signal_guard import SignalGuard
 from branchbox.runtime.thaw_guard import ThawGuard
@@ -109,6 +109,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         self.net: SandboxNetwork | None = None
         self.host_image: HostImage | None = None
         self.keeper: FdKeeper | None = None  # holds control sockets across restarts
+        self.zygote = Zygote(self.config.data_dir / "logs" / "zygote.log")  # forks launchers
         self.signal_guard = SignalGuard()
         self.events = EventBus(self.config.events_kept)  # GET /v1/events and the /ui page
 
@@ -191,6 +192,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
             SandboxCgroup.remove_group(self.config.cgroup_group)
             if self.net is not None:
                 await self.net.stop()
+        await asyncio.to_thread(self.zygote.close)  # no family starts any more
         if self.keeper is not None:
             if self.config.keep:
                 self.keeper.close()
@@ -398,6 +400,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
                                           self._limits(meta["memory_mb"]))
             full_env = {**DEFAULT_ENV, "HOSTNAME": sid, **(env or {})}
             family, channel = await spawn_family(
+                zygote=self.zygote,
                 tree_fd=stack.tree(),
                 repl_cgroup_fds=cgroup.join_fds("repl"),
                 cmds_cgroup_fds=cgroup.join_fds("cmds"),

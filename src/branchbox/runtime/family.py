@@ -1,10 +1,10 @@
 """Daemon side of starting a family (see ``family_init`` for the process side).
 
-The launcher is a fresh interpreter started with ``-I -S`` (no site, no
-environment) so it starts in milliseconds and inherits nothing from the
-daemon but the fds it is given. The daemon writes the user namespace's id
-maps itself: it is root in the parent namespace, which is what the kernel
-asks of the writer. Each family gets a host id range of its own (the caller
+Launchers are forked by the zygote, a fresh interpreter (``-I -S``: no site, no
+environment) the daemon starts once and again if it dies; a launcher inherits
+nothing from the daemon but the fds it is sent. The daemon writes the user
+namespace's id maps itself: it is root in the parent namespace, which is what the
+kernel asks of the writer. Each family gets a host id range of its own (the caller
 allocates it, see engine.idranges): ``uid_base``.. for ids 0.. inside.
 """
 
@@ -17,7 +17,9 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +31,7 @@ from branchbox.storage.idmap import UID_COUNT
 _SRC = str(Path(__file__).resolve().parents[2])
 _BOOT = (
     "import sys; sys.path.insert(0, {src!r}); "
-    "from branchbox.runtime.family_init import main; main()"
+    "from branchbox.runtime.family_init import serve; serve()"
 )
 
 
@@ -48,15 +50,15 @@ class Family:
 
     The launcher is held by a pidfd, so a daemon that did not start it (a later one,
     re-attaching after a restart: the launcher outlives the daemon) holds it the same
-    way; ``process`` is set only in the daemon that started it, which must reap it.
-    ``on_exit`` runs once, after the launcher is gone: the owner of the family's id
-    range lets go of it there (no process of the family runs in it any more).
+    way. No launcher is the daemon's child: the zygote reaps those it forked, the
+    host's init those of a zygote gone with an earlier daemon. ``on_exit`` runs once,
+    after the launcher is gone: the owner of the family's id range lets go of it there
+    (no process of the family runs in it any more).
     """
 
     pid: int
     pidfd: int
     started: int  # the launcher's start time: (pid, started) names it in records
-    process: asyncio.subprocess.Process | None = None
     on_exit: Callable[[], None] | None = None
 
     @property
@@ -92,13 +94,102 @@ class Family:
             except TimeoutError:
                 log.warning("family launcher %d still runs %g s after signal %d", self.pid,
                             KILL_WAIT, signo)
-        if self.process is not None:  # reap it (an earlier daemon's launcher is not this
-            await self.process.wait()  # one's child: the host's init reaps that one)
         os.close(self.pidfd)
         self.pidfd = -1
         done, self.on_exit = self.on_exit, None
         if done is not None:
             done()
+
+
+class Zygote:
+    """The daemon's end of the zygote (``family_init.serve``): started on first use, and
+    again if it died; one request at a time. Closing it ends the zygote, not the
+    families it started."""
+
+    def __init__(self, log_path: Path) -> None:
+        self._log_path = log_path
+        self._proc: subprocess.Popen | None = None
+        self._conn: socket.socket | None = None
+        self._lock = asyncio.Lock()  # requests wait their turn here, not in threads
+        self._guard = threading.Lock()  # one request, or close, at a time
+
+    async def launch(self, spec: dict, fds: list[int]) -> tuple[int, int]:
+        """Fork a launcher running ``spec``, handing it ``fds`` (which the caller still
+        closes); its pid and a pidfd. A launch once sent completes even if the caller is
+        cancelled, and its launcher is then killed: none is left unrecorded."""
+        async with self._lock:
+            job = asyncio.ensure_future(asyncio.to_thread(self._request, spec, fds))
+            try:
+                return await asyncio.shield(job)
+            except asyncio.CancelledError:
+                with contextlib.suppress(Exception):
+                    _, pidfd = await job
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                    os.close(pidfd)
+                raise
+
+    @property
+    def pid(self) -> int | None:
+        """The running zygote's pid, if one runs."""
+        return self._proc.pid if self._proc is not None else None
+
+    def _request(self, spec: dict, fds: list[int]) -> tuple[int, int]:
+        message = json.dumps({"spec": spec, "fds": fds}).encode()
+        with self._guard:
+            if self._proc is None or self._proc.poll() is not None:
+                self._close()
+                self._start()
+            try:
+                try:
+                    socket.send_fds(self._conn, [message], fds)
+                except OSError:  # it died since: it never got the request, a new one does
+                    self._close()
+                    self._start()
+                    socket.send_fds(self._conn, [message], fds)
+                msg, got, _, _ = socket.recv_fds(self._conn, 4096, 1)
+            except OSError as exc:  # a zygote that does not answer is replaced next time
+                self._close()
+                raise SpawnError(f"the zygote did not answer: {exc} (see {self._log_path})"
+                                 ) from None
+            if not msg:
+                self._close()
+                raise SpawnError(f"the zygote ended (see {self._log_path})")
+        reply = json.loads(msg)
+        if "error" in reply:
+            raise SpawnError(reply["error"])
+        return reply["pid"], got[0]
+
+    def _start(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            with theirs, open(self._log_path, "ab") as log:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-I", "-S", "-c", _BOOT.format(src=_SRC),
+                     str(theirs.fileno())],
+                    pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=log, start_new_session=True)  # no terminal's Ctrl-C reaches it
+        except BaseException:
+            ours.close()
+            raise
+        ours.settimeout(30)
+        self._conn = ours
+
+    def close(self) -> None:
+        """Hang up and reap the zygote (it exits on the hang-up; killed if it does not)."""
+        with self._guard:
+            self._close()
+
+    def _close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout=KILL_WAIT)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
 
 
 async def _readable(fd: int) -> None:
@@ -136,6 +227,7 @@ async def _abandon(family: Family, channel: AgentChannel | None, ping, ours) -> 
 
 async def spawn_family(
     *,
+    zygote: Zygote,
     tree_fd: int,
     repl_cgroup_fds: list[int],
     cmds_cgroup_fds: list[int],
@@ -160,13 +252,15 @@ async def spawn_family(
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     status_r, status_w = os.pipe()
     go_r, go_w = os.pipe()
-    child_fds = [tree_fd, theirs.fileno(), status_w, go_r, *repl_cgroup_fds, *cmds_cgroup_fds,
-                 *(fd for fd, _ in mounts)]
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    child_fds = [tree_fd, theirs.fileno(), status_w, go_r, log, *repl_cgroup_fds,
+                 *cmds_cgroup_fds, *(fd for fd, _ in mounts)]
     spec = {
         "tree_fd": tree_fd,
         "ctrl_fd": theirs.fileno(),
         "status_w": status_w,
         "go_r": go_r,
+        "log_fd": log,
         "repl_cgroup_fds": repl_cgroup_fds,
         "cmds_cgroup_fds": cmds_cgroup_fds,
         "mounts": list(mounts),
@@ -177,33 +271,27 @@ async def spawn_family(
         "python": python,
     }
     try:
-        with open(log_path, "ab") as log:
-            launcher = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-I",
-                "-S",
-                "-c",
-                _BOOT.format(src=_SRC),
-                json.dumps(spec),
-                pass_fds=child_fds,
-                stdin=asyncio.subprocess.DEVNULL,
-                start_new_session=True,  # no controlling terminal a sandbox could reach
-                stdout=log,
-                stderr=log,
-            )
+        pid, pidfd = await zygote.launch(spec, child_fds)
+    except BaseException:
+        for fd in (status_r, go_w):
+            os.close(fd)
+        ours.close()
+        raise
     finally:
         for fd in child_fds:
             os.close(fd)
         theirs.detach()
-    family = Family(launcher.pid, os.pidfd_open(launcher.pid), start_time(launcher.pid),
-                    launcher)
+    try:
+        family = Family(pid, pidfd, start_time(pid))
+    except (OSError, ValueError, IndexError):  # gone already (the zygote reaped it)
+        family = Family(pid, pidfd, 0)
     if started is not None:
         started(family)
     channel = ping = None
     try:
         if await _read_some(status_r, timeout) != b"u":
             raise SpawnError(f"the launcher died before making its user namespace (see {log_path})")
-        _write_id_maps(launcher.pid, uid_base)
+        _write_id_maps(pid, uid_base)
         os.write(go_w, b"g")
         channel = AgentChannel(ours)
         ping = asyncio.ensure_future(channel.call("ping"))

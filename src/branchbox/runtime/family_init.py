@@ -1,11 +1,24 @@
-"""The process that starts a family: user namespace, family PID namespace, first REPL.
+"""The processes that start a family: the zygote, each family's launcher, its init and
+first REPL.
 
-The daemon runs this as a fresh interpreter (never a fork of the threaded
-daemon) with one JSON argument; see ``runtime.family`` for the other side.
+The zygote is a fresh interpreter (never a fork of the threaded daemon; ``-I -S``,
+nothing inherited but its socket) started once per daemon, with this module imported.
+For every family it forks a launcher: the child is what a fresh ``python`` per family
+used to be, a single-threaded interpreter holding only the fds it was sent, without
+the ~20 ms (and ~15 ms of CPU) of start-up and imports a cold create used to queue on.
+See ``runtime.family`` for the daemon's side.
 
-Process tree it leaves behind (host view)::
+Requests over a ``SOCK_SEQPACKET`` socketpair, one at a time::
 
-    launcher (this process; SIGTERM ends the family; it outlives the daemon)
+    {"spec": {...}, "fds": [the daemon's fd numbers]} + those fds (SCM_RIGHTS)
+        -> {"pid": N} + a pidfd of the launcher        or   {"error": "..."}
+
+The zygote reaps its launchers and exits when the daemon's end hangs up; the
+launchers run on (they outlive the daemon) and the host's init reaps them.
+
+Process tree a family leaves behind (host view)::
+
+    launcher (SIGTERM ends the family; it outlives the daemon)
       └─ family init  = PID 1 of the family PID namespace P; reaps orphans
            └─ first REPL = /usr/bin/python3 of the image running the agent
                 └─ Q init = PID 1 of the sandbox's command namespace Q
@@ -31,6 +44,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 
 from branchbox.agent import confine, entry, huge_heap, sysc
@@ -89,8 +103,80 @@ def _family_init(spec: dict, status_w: int) -> None:
     entry.reap_forever()
 
 
-def main() -> None:
-    spec = json.loads(sys.argv[1])
+REQUEST_MAX = 1 << 20  # bytes of one request (a spec with its env)
+FDS_MAX = 250  # fds of one request (the kernel takes at most 253 in one SCM_RIGHTS)
+
+
+def serve() -> None:
+    """The zygote: fork a launcher per request until the daemon hangs up."""
+    conn = socket.socket(fileno=int(sys.argv[1]))
+    sysc.set_process_name("bb-zygote")
+    signal.signal(signal.SIGCHLD, _reap)
+    while True:
+        msg, fds, _, _ = socket.recv_fds(conn, REQUEST_MAX, FDS_MAX)
+        if not msg:
+            return
+        reply, pidfd = _fork_launcher(conn, json.loads(msg), fds)
+        socket.send_fds(conn, [json.dumps(reply).encode()], [pidfd] if pidfd >= 0 else [])
+        if pidfd >= 0:
+            os.close(pidfd)
+
+
+def _reap(signo: int, frame: object) -> None:
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+
+
+def _fork_launcher(conn: socket.socket, request: dict, fds: list[int]) -> tuple[dict, int]:
+    """Fork the launcher of ``request``; its pid and a pidfd, taken before anything can
+    reap it (SIGCHLD is held until then), so the pidfd is that process for sure."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+    try:
+        pid = os.fork()
+        if pid == 0:
+            _launcher(conn, request, fds)
+        return {"pid": pid}, os.pidfd_open(pid)
+    except OSError as exc:
+        return {"error": f"could not fork a launcher: {exc}"}, -1
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+        for fd in fds:
+            os.close(fd)
+
+
+def _launcher(conn: socket.socket, request: dict, fds: list[int]) -> None:
+    """In the fork child: become what a fresh launcher was, then start the family."""
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # its own waitpid must see its init
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+        conn.close()
+        os.setsid()  # no controlling terminal a sandbox could reach
+        spec = _renumbered(request["spec"], dict(zip(request["fds"], fds, strict=True)))
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        for fd in (1, 2):  # the daemon's log of this sandbox, until the REPL's entry ends
+            os.dup2(spec["log_fd"], fd)
+        os.close(null)
+        os.close(spec["log_fd"])
+        _launch(spec)
+    finally:
+        os._exit(1)
+
+
+def _renumbered(spec: dict, fd: dict[int, int]) -> dict:
+    """``spec`` with the daemon's fd numbers replaced by this process's (received anew)."""
+    return {
+        **spec,
+        **{name: fd[spec[name]] for name in ("tree_fd", "ctrl_fd", "status_w", "go_r",
+                                              "log_fd")},
+        "repl_cgroup_fds": [fd[n] for n in spec["repl_cgroup_fds"]],
+        "cmds_cgroup_fds": [fd[n] for n in spec["cmds_cgroup_fds"]],
+        "mounts": [(fd[n], path) for n, path in spec["mounts"]],
+    }
+
+
+def _launch(spec: dict) -> None:
     status_w, go_r = spec["status_w"], spec["go_r"]
     # No parent-death signal: the family outlives a daemon that dies or restarts, and the
     # next daemon re-attaches to it (engine.reattach) or ends it with SIGTERM.
@@ -123,7 +209,3 @@ def main() -> None:
     os.closerange(3, 65536)
     _, status = os.waitpid(init_pid, 0)
     os._exit(0)
-
-
-if __name__ == "__main__":
-    main()

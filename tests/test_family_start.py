@@ -1,0 +1,64 @@
+"""How a family starts: the zygote forks its launcher (runtime.family_init), which holds
+nothing of the daemon's but its log, and a zygote that died is replaced."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+from waiting import eventually
+
+from branchbox.sdk._portal import portal
+
+
+def _ppid(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def _ended(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie, or reaped already)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat[stat.rindex(")") + 2] == "Z"
+
+
+def test_a_launcher_is_forked_by_the_zygote_and_holds_only_its_log(harness, make) -> None:
+    sb = make()
+    launcher = harness.engine.get(sb.id).family.family.pid
+    zygote = harness.engine.zygote
+    assert Path(f"/proc/{launcher}/comm").read_text().strip() == "bb-launcher"
+    assert _ppid(launcher) == zygote.pid
+    fds = {int(fd): os.readlink(f"/proc/{launcher}/fd/{fd}")
+           for fd in os.listdir(f"/proc/{launcher}/fd")}
+    log = str(harness.data_dir / "logs" / f"{sb.id}.log")
+    assert fds == {0: "/dev/null", 1: log, 2: log}
+    assert sb.run_code("1 + 1").text == "2"
+
+
+def test_a_dead_zygote_is_replaced(harness, make) -> None:
+    make()  # the zygote runs
+    portal.run(harness.engine.settle())  # and is not starting the warm pool's next ones
+    zygote = harness.engine.zygote
+    first = zygote.pid
+    os.kill(first, signal.SIGKILL)
+    assert eventually(lambda: _ended(first), within=10)
+    sb = make()
+    assert sb.run_code("'started'").text == "'started'"
+    portal.run(harness.engine.settle())  # the pool's replacement came from a new zygote
+    assert zygote.pid not in (None, first)
+
+
+def test_the_zygote_ends_with_the_engine_and_its_families_run_on(harness, make) -> None:
+    """Closing the zygote (as a daemon that stops or dies does) ends only the zygote."""
+    sb = make()
+    portal.run(harness.engine.settle())
+    zygote = harness.engine.zygote
+    first = zygote.pid
+    zygote.close()
+    assert _ended(first)
+    assert sb.run_code("'still here'").text == "'still here'"
+    assert make().run_code("'and a new one'").text == "'and a new one'"
