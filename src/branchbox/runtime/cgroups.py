@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import select
 import signal
 import time
 from collections.abc import Callable
@@ -272,29 +273,31 @@ class SandboxCgroup:
         return int(self._file("pids", "pids.current").read_text())
 
     def kill(self, timeout: float = 5.0) -> None:
-        """SIGKILL everything in the sandbox, including what is forking right now."""
+        """SIGKILL everything in the sandbox, including what is forking right now, and
+        return once it has all exited (or ``timeout`` has passed)."""
         if not self.dirs:
             return
-        frozen = True
         if self.version == 2:
             (self.dirs[0] / "cgroup.kill").write_text("1")
-        else:
-            # Frozen processes cannot fork between our read of cgroup.procs and the kill.
-            # A sandbox holding a task the freezer cannot stop is killed without that
-            # guarantee: again and again until nothing is left or the timeout.
-            try:
-                self.freeze()
-            except FreezeFailed:
-                frozen = False
-            _sigkill(self.pids())
-            self.thaw()  # frozen processes cannot die
-            if not frozen:
-                _sigkill(self.pids())
+            _wait_exited(self.pids(), timeout)
+            return
+        # Frozen processes cannot fork between our read of cgroup.procs and the kill.
+        # A sandbox holding a task the freezer cannot stop is killed without that
+        # guarantee: again and again until nothing is left or the timeout.
+        with contextlib.suppress(FreezeFailed):
+            self.freeze()
         deadline = time.monotonic() + timeout
-        while (left := self.pids()) and time.monotonic() < deadline:
-            if not frozen:
-                _sigkill(left)
-            time.sleep(0.001)
+        pidfds = _pidfds(self.pids())
+        _sigkill_fds(pidfds)
+        self.thaw()  # frozen processes cannot die
+        while pidfds:
+            _wait_readable(pidfds, deadline)  # exited: out of the cgroup already
+            if time.monotonic() >= deadline:
+                break
+            pidfds = _pidfds(self.pids())  # joined since the look (or forked, unfrozen)
+            _sigkill_fds(pidfds)
+        for fd in pidfds:
+            os.close(fd)
 
     def remove(self) -> None:
         """Kill what is left and delete the directories (idempotent).
@@ -379,6 +382,42 @@ def _cgroup_mounted_at(mountpoint: Path, name: str,
                 and name.encode() in fields[sep + 3].split(b",")):
             return True
     return False
+
+
+def _pidfds(pids: list[int]) -> list[int]:
+    """Pidfds of those of ``pids`` still running: a kill through one, and the wait for
+    its exit, reach that very process even if its pid is reused meanwhile."""
+    fds = []
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            fds.append(os.pidfd_open(pid))
+    return fds
+
+
+def _sigkill_fds(pidfds: list[int]) -> None:
+    for fd in pidfds:
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+
+
+def _wait_readable(pidfds: list[int], deadline: float) -> None:
+    """Wait (without polling the cgroup) until every process of ``pidfds`` has exited, or
+    ``deadline``; closes the fds of those that did, leaving the others in the list."""
+    waiting = select.poll()
+    for fd in pidfds:
+        waiting.register(fd, select.POLLIN)
+    while pidfds and (left := deadline - time.monotonic()) > 0:
+        for fd, _ in waiting.poll(left * 1000):
+            waiting.unregister(fd)
+            pidfds.remove(fd)
+            os.close(fd)
+
+
+def _wait_exited(pids: list[int], timeout: float) -> None:
+    pidfds = _pidfds(pids)
+    _wait_readable(pidfds, time.monotonic() + timeout)
+    for fd in pidfds:
+        os.close(fd)
 
 
 def _sigkill(pids: list[int]) -> None:
