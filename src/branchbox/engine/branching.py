@@ -266,7 +266,7 @@ class Branching:
         # Kept for a daemon that re-attaches after a restart (the keeper lets go of it once
         # no process is under its filter): without a listener the calls would fail.
         self.keeper.keep([(SIGNAL_LISTENER + body.key, listener)])
-        self.signal_guard.serve(listener)
+        self.signal_guard.serve(listener, SIGNAL_LISTENER + body.key)
         await body.channel.call("drop_listener")
 
     async def _send_slot(self, channel: AgentChannel, sid: str, body: Body,

@@ -85,7 +85,7 @@ class Reattach:
         launchers no survivor needs; what else it left is reaped by the caller."""
         kept = await asyncio.to_thread(self.keeper.take)
         for key in [k for k in kept if k.startswith(SIGNAL_LISTENER)]:
-            self.signal_guard.serve(kept.pop(key))  # deep branches' signal calls go on
+            self.signal_guard.serve(kept.pop(key), key)  # deep branches' signal calls go on
         socks = {key: socket.socket(fileno=fd) for key, fd in kept.items()}
         group = self.config.cgroup_group
         cgroups = {cg.name: cg for cg in SandboxCgroup.leftovers(group)}

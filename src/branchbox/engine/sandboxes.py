@@ -124,7 +124,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         self.records = Records(cfg.data_dir / "sandboxes.db")
         self.ids = IdRanges(self.records)  # recorded slots stay taken until recover()
         self._workspace_versions = self.records.workspace_versions()
-        self.keeper = await asyncio.to_thread(FdKeeper.connect, cfg.data_dir / "run" / "keeper")
+        self.keeper = await asyncio.to_thread(self._connect_keeper)
         # An earlier daemon's sandboxes still running (engine.reattach); the rest of what
         # it left is reaped, its files kept as stopped sandboxes (engine.stopped).
         survivors = await self._find_survivors()
@@ -133,6 +133,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         await self.net.start({s.record.instance for s in survivors.values()})
         self._unfavor = favor_dynamic_moves(cfg.data_dir / "run" / "cgroup-favor")
         self._thaw_guard = ThawGuard(cfg.cgroup_group)  # nothing stays frozen if we die
+        self._thaw_guard.watch()
         self._reap_leftovers({s.record.instance for s in survivors.values()})
         self._mark_stopped(set(survivors))
         self.store = choose_backend(cfg.data_dir, cfg.storage)
@@ -160,6 +161,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
             log.warning("commit into %s interrupted by a crash: %s", host, outcome)
             self.records.end_commit(host)
         log.info("storage: %s backend at %s", self.store.backend.name, self.store.root)
+        self._watch_keeper()  # from here on: the start asked it what it held
         self._refill("default")  # warm sandboxes for the first creates
 
     def _reap_leftovers(self, keep: set[str]) -> None:
@@ -194,6 +196,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
                 await self.net.stop()
         await asyncio.to_thread(self.zygote.close)  # no family starts any more
         if self.keeper is not None:
+            self._unwatch_keeper(self.keeper)
             if self.config.keep:
                 self.keeper.close()
             else:
@@ -468,9 +471,46 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         sb.watcher = asyncio.get_running_loop().create_task(self._watch(sb, sb.body))
         sb.body.channel.on_abandon = functools.partial(self._on_abandon, sb.body)
 
+    def _connect_keeper(self) -> FdKeeper:
+        return FdKeeper.connect(self.config.data_dir / "run" / "keeper",
+                                on_lost=self._keeper_lost)
+
+    def _watch_keeper(self) -> None:
+        """Notice a keeper that died when it dies, not at the next sandbox made."""
+        fd = self.keeper.fileno()
+
+        def hung_up() -> None:
+            asyncio.get_running_loop().remove_reader(fd)
+            self.keeper.lost("it hung up")
+
+        asyncio.get_running_loop().add_reader(fd, hung_up)
+
+    def _keeper_lost(self) -> None:
+        if not self._stopping:
+            self._track(asyncio.get_running_loop().create_task(self._replace_keeper()))
+
+    async def _replace_keeper(self) -> None:
+        """The fd keeper died (killed, crashed): start another and hand it every control
+        socket and signal listener the old one held, so a daemon killed later still
+        leaves every sandbox running."""
+        lost, self.keeper = self.keeper, await asyncio.to_thread(self._connect_keeper)
+        self._unwatch_keeper(lost)
+        lost.close()
+        self._watch_keeper()
+        bodies = [sb.body for sb in self.live.values()]
+        self._keep_channels([*bodies, *(cp.body for cp in self._checkpoints.values())])
+        self.signal_guard.listening(self.keeper.keep)
+        log.warning("fd keeper replaced: handed it %d sandboxes again", len(bodies))
+
+    @staticmethod
+    def _unwatch_keeper(keeper: FdKeeper) -> None:
+        with contextlib.suppress(ValueError, OSError):
+            asyncio.get_running_loop().remove_reader(keeper.fileno())
+
     def _keep_channels(self, bodies: list[Body]) -> None:
         """Hand the keeper these bodies' control sockets (one message per 200)."""
-        self.keeper.keep([(body.key, body.channel.sock.fileno()) for body in bodies])
+        self.keeper.keep([(body.key, body.channel.sock.fileno()) for body in bodies
+                          if body.channel.sock.fileno() >= 0])  # not one closed meanwhile
 
     def _arm(self, sb: Live, seconds: float) -> None:
         """``sb`` closes ``seconds`` from now; the instant is recorded (by the caller's

@@ -38,6 +38,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger("branchbox.runtime")
@@ -62,16 +63,20 @@ def _recv(conn: socket.socket) -> tuple[dict, list[int]]:
 class FdKeeper:
     """The daemon's connection to its keeper (started if none runs for the data dir)."""
 
-    def __init__(self, conn: socket.socket) -> None:
+    def __init__(self, conn: socket.socket, on_lost: Callable[[], None] | None) -> None:
         self._conn = conn
+        self._on_lost = on_lost
 
     @classmethod
-    def connect(cls, path: Path, timeout: float = 5.0) -> FdKeeper:
-        """The keeper of ``path``: the one still running from an earlier daemon, or a new one."""
+    def connect(cls, path: Path, timeout: float = 5.0,
+                on_lost: Callable[[], None] | None = None) -> FdKeeper:
+        """The keeper of ``path``: the one still running from an earlier daemon, or a new
+        one. ``on_lost`` is called (once) if the keeper is found gone: the caller starts
+        another and hands it again what this one held."""
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             conn.connect(str(path))
-            return cls(conn)
+            return cls(conn, on_lost)
         except (FileNotFoundError, ConnectionRefusedError):
             pass
         with contextlib.suppress(FileNotFoundError):
@@ -87,7 +92,7 @@ class FdKeeper:
         except (OSError, subprocess.SubprocessError) as exc:
             conn.close()
             raise KeeperError(f"the fd keeper did not start at {path}: {exc}") from None
-        return cls(conn)
+        return cls(conn, on_lost)
 
     def _send(self, message: dict, fds: list[int] = ()) -> bool:
         """Send without ever blocking the daemon: a keeper that does not keep up only costs
@@ -96,10 +101,24 @@ class FdKeeper:
             socket.send_fds(self._conn, [json.dumps(message).encode()], list(fds),
                             socket.MSG_DONTWAIT)
             return True
-        except OSError as exc:
+        except ConnectionError as exc:  # it is gone (killed, crashed)
+            self.lost(str(exc))
+        except OSError as exc:  # it does not keep up, or an fd closed meanwhile
             log.warning("fd keeper: %s not sent (%s): those sandboxes will not survive a "
                         "daemon restart", message.get("op"), exc)
-            return False
+        return False
+
+    def fileno(self) -> int:
+        """The connection: readable only once the keeper is gone (it never writes unasked,
+        and a daemon asks only at its start)."""
+        return self._conn.fileno()
+
+    def lost(self, why: str) -> None:
+        """The keeper is gone: tell ``on_lost``, once."""
+        lost, self._on_lost = self._on_lost, None
+        if lost is not None:
+            log.warning("fd keeper gone (%s): starting another", why)
+            lost()
 
     def keep(self, pairs: list[tuple[str, int]]) -> None:
         """Hold these control sockets (the caller keeps its own fds)."""

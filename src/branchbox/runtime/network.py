@@ -90,23 +90,36 @@ def host_resolvers(path: Path = Path("/etc/resolv.conf")) -> list[str]:
 
 class Helper:
     """The client side of ``runtime.netlink_helper``: one request in flight per call,
-    answers matched by id, on the daemon's event loop."""
+    answers matched by id, on the daemon's event loop.
+
+    The helper keeps no state between requests, so one that died (killed, crashed) is
+    replaced by the next call: the requests it had are failed with NetworkError, the
+    daemon's networking goes on."""
 
     def __init__(self) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        src = str(Path(__file__).resolve().parents[2])
-        self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-c",
-             f"import sys; sys.path.insert(0, {src!r}); "
-             "from branchbox.runtime.netlink_helper import main; main()",
-             str(theirs.fileno())],
-            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True)
-        theirs.close()
-        self.sock = ours
-        self.sock.setblocking(False)
         self.ids = 0
         self.waiting: dict[int, asyncio.Future] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._spawn()
+
+    def _spawn(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        src = str(Path(__file__).resolve().parents[2])
+        with theirs:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-c",
+                 f"import sys; sys.path.insert(0, {src!r}); "
+                 "from branchbox.runtime.netlink_helper import main; main()",
+                 str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True)
+        self.sock = ours
+        self.sock.setblocking(False)
+        if self.loop is not None:
+            self.loop.add_reader(self.sock.fileno(), self._readable)
+
+    def _respawn(self) -> None:
+        self._stop()
+        self._spawn()
 
     def _readable(self) -> None:
         while True:
@@ -118,10 +131,7 @@ class Helper:
                 data = b""
             if not data:  # the helper died: fail everything waiting
                 self.loop.remove_reader(self.sock.fileno())
-                for fut in self.waiting.values():
-                    if not fut.done():
-                        fut.set_exception(NetworkError("the netlink helper died"))
-                self.waiting.clear()
+                self._fail_waiting()
                 return
             reply = json.loads(data)
             reply["received"] = time.perf_counter_ns()
@@ -135,23 +145,39 @@ class Helper:
         if self.loop is None:
             self.loop = asyncio.get_running_loop()
             self.loop.add_reader(self.sock.fileno(), self._readable)
+        if self.proc.poll() is not None:
+            self._respawn()
         self.ids += 1
-        fut = self.loop.create_future()
-        self.waiting[self.ids] = fut
         data = json.dumps({"op": op, "id": self.ids, "sent": time.perf_counter_ns(),
                            **args}).encode()
+        respawned = False
         while True:
             try:
                 socket.send_fds(self.sock, [data], list(fds))
                 break
             except BlockingIOError:
                 await asyncio.sleep(0.001)
+            except OSError as exc:  # died since the poll: the request never got there
+                if respawned:
+                    raise NetworkError(f"the netlink helper cannot be reached: {exc}"
+                                       ) from None
+                respawned = True
+                self._respawn()
+        fut = self.loop.create_future()  # no await since the send: the reply is not in yet
+        self.waiting[self.ids] = fut
         reply = await fut
         if not reply.get("ok"):
             raise NetworkError(reply.get("error") or f"{op} failed")
         return reply
 
-    def close(self) -> None:
+    def _fail_waiting(self) -> None:
+        for fut in self.waiting.values():
+            if not fut.done():
+                fut.set_exception(NetworkError("the netlink helper died"))
+        self.waiting.clear()
+
+    def _stop(self) -> None:
+        self._fail_waiting()
         if self.loop is not None:
             with contextlib.suppress(ValueError, OSError):
                 self.loop.remove_reader(self.sock.fileno())
@@ -159,6 +185,9 @@ class Helper:
         with contextlib.suppress(OSError):
             self.proc.kill()
         self.proc.wait()
+
+    def close(self) -> None:
+        self._stop()
 
 
 class Network:

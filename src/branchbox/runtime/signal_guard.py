@@ -33,6 +33,7 @@ import select
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from branchbox.agent import sysc
@@ -120,6 +121,8 @@ class SignalGuard:
     def __init__(self) -> None:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._listening: dict[str, int] = {}  # by key, while served
+        self._lock = threading.Lock()  # a listener is closed only under it
 
     def take(self, host_pid: int, fd: int) -> int:
         """Take listener ``fd`` out of process ``host_pid``; returns it (for :meth:`serve`)."""
@@ -135,12 +138,14 @@ class SignalGuard:
         os.set_inheritable(ret, False)
         return ret
 
-    def serve(self, listener: int) -> None:
-        """Start answering ``listener`` (consumed: closed once its filter has no process
-        left). Also a listener an earlier daemon took, held by the fd keeper meanwhile:
-        until then the kernel holds the calls."""
-        thread = threading.Thread(target=self._serve, args=(listener,), name="bb-signal-guard",
-                                  daemon=True)
+    def serve(self, listener: int, key: str) -> None:
+        """Start answering ``listener``, the filter's of body ``key`` (consumed: closed once
+        its filter has no process left). Also a listener an earlier daemon took, held by
+        the fd keeper meanwhile: until then the kernel holds the calls."""
+        with self._lock:
+            self._listening[key] = listener
+        thread = threading.Thread(target=self._serve, args=(listener, key),
+                                  name="bb-signal-guard", daemon=True)
         self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
 
@@ -149,7 +154,13 @@ class SignalGuard:
         for thread in self._threads:
             thread.join(timeout=2)
 
-    def _serve(self, listener: int) -> None:
+    def listening(self, use: Callable[[list[tuple[str, int]]], None]) -> None:
+        """Call ``use`` with every listener served, by key, none of them closed meanwhile
+        (a new fd keeper takes copies of them)."""
+        with self._lock:
+            use(list(self._listening.items()))
+
+    def _serve(self, listener: int, key: str) -> None:
         """Until every process under the filter is gone (POLLHUP) or the daemon stops."""
         poller = select.poll()
         poller.register(listener, select.POLLIN)
@@ -183,4 +194,6 @@ class SignalGuard:
                         _RESP.pack(nid, 0, -errno.EPERM, 0)
                     fcntl.ioctl(listener, _SEND, bytearray(reply))
         finally:
-            os.close(listener)
+            with self._lock:
+                self._listening.pop(key, None)
+                os.close(listener)

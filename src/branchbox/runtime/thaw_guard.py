@@ -24,7 +24,10 @@ nothing: a later daemon decides whether to re-attach the sandboxes or reap them.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -34,18 +37,31 @@ from pathlib import Path
 from branchbox.runtime.cgroups import thaw_leftovers
 from branchbox.storage.journal import FAULT_ENV, recover
 
+log = logging.getLogger("branchbox.runtime")
+
 
 class ThawGuard:
-    """The running watcher of one daemon; ``stop()`` on a graceful stop."""
+    """The running watcher of one daemon; ``stop()`` on a graceful stop.
+
+    The daemon keeps what it told the guard (commits begun, cgroups held frozen), so a
+    guard that died (killed, crashed) is started again and told it all, at the next
+    thing the daemon tells it."""
 
     def __init__(self, group: str) -> None:
+        self._group = group
+        self._hosts: dict[str, None] = {}
+        self._held: set[str] = set()
+        self._pidfd = -1
+        self._proc = self._start()
+
+    def _start(self) -> subprocess.Popen:
         # Its own session: a ^C meant for a daemon in the foreground must not kill the
         # guard first (the daemon stops gracefully then and thaws by itself anyway).
         # Without the commit fault point: a crash test's fault is for the daemon's commit,
         # not for the recovery of it.
         env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "branchbox.runtime.thaw_guard", group], env=env,
+        return subprocess.Popen(
+            [sys.executable, "-m", "branchbox.runtime.thaw_guard", self._group], env=env,
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
 
     @property
@@ -53,21 +69,66 @@ class ThawGuard:
         return self._proc.pid
 
     def _tell(self, message: object) -> None:
-        if self._proc.stdin is not None:
-            self._proc.stdin.write(json.dumps(message).encode() + b"\n")
-            self._proc.stdin.flush()
+        if self._proc.poll() is not None:
+            self._restart()
+        try:
+            self._write([message])
+        except OSError:  # it died since the poll
+            self._restart()
+            self._write([message])
+
+    def _write(self, messages: list[object]) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(b"".join(json.dumps(m).encode() + b"\n" for m in messages))
+        self._proc.stdin.flush()
+
+    def _restart(self) -> None:
+        log.warning("the thaw guard of %s died: starting another", self._group)
+        with contextlib.suppress(OSError):
+            self._proc.stdin.close()
+        self._proc.wait()
+        self._proc = self._start()
+        self._write([*self._hosts, *({"hold": key} for key in sorted(self._held))])
 
     def commit_started(self, host: Path) -> None:
         """A commit into ``host`` begins: if the daemon dies now, the guard recovers it."""
+        self._hosts[str(host)] = None
         self._tell(str(host))
 
     def hold_frozen(self, key: str, frozen: bool = True) -> None:
         """Sandbox cgroup ``key`` is frozen on purpose (paused, a checkpoint): the guard
         leaves it frozen (or, with ``frozen=False``, no longer does)."""
+        if frozen:
+            self._held.add(key)
+        else:
+            self._held.discard(key)
         self._tell({"hold" if frozen else "release": key})
+
+    def watch(self) -> None:
+        """From the caller's event loop on, a guard that dies is started again at once
+        (not at the next thing the daemon tells it: a daemon dying meanwhile would
+        leave a fork's frozen moment frozen)."""
+        loop = asyncio.get_running_loop()
+        pidfd = self._pidfd = os.pidfd_open(self._proc.pid)
+
+        def died() -> None:
+            self._unwatch()
+            if self._proc.poll() is not None:  # not a stop's: it closes the pidfd first
+                self._restart()
+                self.watch()
+
+        loop.add_reader(pidfd, died)
+
+    def _unwatch(self) -> None:
+        if self._pidfd >= 0:
+            with contextlib.suppress(RuntimeError, ValueError, OSError):
+                asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = -1
 
     def stop(self) -> None:
         """Close the pipe (the guard thaws what is left, then exits) and reap it."""
+        self._unwatch()
         if self._proc.stdin is not None:
             self._proc.stdin.close()
         try:
