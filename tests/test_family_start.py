@@ -1,5 +1,5 @@
 """How a family starts: the zygote forks its launcher (runtime.family_init), which holds
-nothing of the daemon's but its log, and a zygote that died is replaced."""
+nothing of the daemon's but its log (no fd, no environment variable but its heap choice)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ def test_a_launcher_is_forked_by_the_zygote_and_holds_only_its_log(harness, make
            for fd in os.listdir(f"/proc/{launcher}/fd")}
     log = str(harness.data_dir / "logs" / f"{sb.id}.log")
     assert fds == {0: "/dev/null", 1: log, 2: log}
+    environ = Path(f"/proc/{launcher}/environ").read_bytes().split(b"\0")
+    assert {v.partition(b"=")[0] for v in environ if v} <= {b"BRANCHBOX_HUGE_HEAP"}
     assert sb.run_code("1 + 1").text == "2"
 
 

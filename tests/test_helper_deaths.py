@@ -72,9 +72,13 @@ def test_a_dead_netlink_helper_is_replaced(harness, make) -> None:
     helper = harness.engine.net.net.helper
     first = _kill(helper.proc.pid)
     children = sb.fork(2)
-    assert len({sb.ip, *(c.ip for c in children)}) == 3
-    assert helper.proc.pid != first
-    assert make().ip not in {sb.ip, *(c.ip for c in children)}
+    try:
+        assert len({sb.ip, *(c.ip for c in children)}) == 3
+        assert helper.proc.pid != first
+        assert make().ip not in {sb.ip, *(c.ip for c in children)}
+    finally:
+        for child in children:
+            child.close()
 
 
 def test_a_dead_fd_keeper_is_replaced_and_sandboxes_still_outlive_the_daemon() -> None:

@@ -88,11 +88,12 @@ class Daemon(ServedDaemon):
 
     def processes(self, sid: str) -> list[int]:
         """Host pids of the sandbox's family: its processes, their family init and launcher
-        (the chain of parents up to the daemon)."""
+        (the chain of parents up to the daemon's zygote, which forks every launcher)."""
         info = self.http.get(f"/v1/sandboxes/{sid}").json()
         found = set(info["resources"]["host_pids"])
         for pid in list(found):
-            while (parent := _ppid(pid)) not in (None, self.proc.pid, 1, 0):
+            while (parent := _ppid(pid)) not in (None, self.proc.pid, 1, 0) and \
+                    _comm(parent) != "bb-zygote":
                 found.add(parent)
                 pid = parent
         assert found, info
@@ -101,6 +102,13 @@ class Daemon(ServedDaemon):
     def stop(self) -> None:
         self.http.close()
         super().stop()
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _ppid(pid: int) -> int | None:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from branchbox.agent import huge_heap
 from branchbox.runtime.channel import AgentChannel
 from branchbox.runtime.procfs import start_time
 from branchbox.storage.idmap import UID_COUNT
@@ -167,7 +168,8 @@ class Zygote:
                     [sys.executable, "-I", "-S", "-c", _BOOT.format(src=_SRC),
                      str(theirs.fileno())],
                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=log,
-                    stderr=log, start_new_session=True)  # no terminal's Ctrl-C reaches it
+                    stderr=log, start_new_session=True,  # no terminal's Ctrl-C reaches it
+                    env=_launcher_env())
         except BaseException:
             ours.close()
             raise
@@ -190,6 +192,12 @@ class Zygote:
                 self._proc.kill()
                 self._proc.wait()
             self._proc = None
+
+
+def _launcher_env() -> dict[str, str]:
+    """The daemon's environment a launcher needs: its choice of the REPL's heap, nothing
+    else (not the API key: a launcher holds the sandbox's first moments)."""
+    return {k: v for k, v in os.environ.items() if k == huge_heap.MARKER}
 
 
 async def _readable(fd: int) -> None:

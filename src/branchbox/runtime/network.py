@@ -88,6 +88,11 @@ def host_resolvers(path: Path = Path("/etc/resolv.conf")) -> list[str]:
     return found
 
 
+HELPER_TIMEOUT = 60.0
+"""Seconds a netlink request may take (most take milliseconds; a sweep of a thousand
+links, seconds) before the helper is taken for hung and replaced."""
+
+
 class Helper:
     """The client side of ``runtime.netlink_helper``: one request in flight per call,
     answers matched by id, on the daemon's event loop.
@@ -165,7 +170,12 @@ class Helper:
                 self._respawn()
         fut = self.loop.create_future()  # no await since the send: the reply is not in yet
         self.waiting[self.ids] = fut
-        reply = await fut
+        try:
+            reply = await asyncio.wait_for(fut, HELPER_TIMEOUT)
+        except TimeoutError:  # hung (stopped, stuck in the kernel): replaced now
+            self._respawn()
+            raise NetworkError(f"the netlink helper did not answer {op} within "
+                               f"{HELPER_TIMEOUT:g} s") from None
         if not reply.get("ok"):
             raise NetworkError(reply.get("error") or f"{op} failed")
         return reply
