@@ -6,21 +6,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from waiting import ended
+
 from branchbox.sdk._portal import portal
 
 
 def _ppid(pid: int) -> int:
     stat = Path(f"/proc/{pid}/stat").read_text()
     return int(stat[stat.rindex(")") + 2:].split()[1])
-
-
-def _ended(pid: int) -> bool:
-    """Whether process ``pid`` has exited (a zombie, or reaped already)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat[stat.rindex(")") + 2] == "Z"
 
 
 def test_a_launcher_is_forked_by_the_zygote_and_holds_only_its_log(harness, make) -> None:
@@ -46,6 +39,6 @@ def test_the_zygote_ends_with_the_engine_and_its_families_run_on(harness, make) 
     zygote = harness.engine.zygote
     first = zygote.pid
     zygote.close()
-    assert _ended(first)
+    assert ended(first)
     assert sb.run_code("'still here'").text == "'still here'"
     assert make().run_code("'and a new one'").text == "'and a new one'"

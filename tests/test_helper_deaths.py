@@ -15,14 +15,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from pathlib import Path
 
 import pytest
 from served import ServedDaemon, env_with_key
 from test_daemon_killed import frozen_cgroups
 from test_reattach import freezer_state, kill9
 from test_restart import stop_last
-from waiting import eventually
+from waiting import ended, eventually
 
 from branchbox import Sandbox, SandboxError
 from branchbox.engine.branching import FORK_FAULT_ENV
@@ -32,26 +31,17 @@ from branchbox.sdk._portal import portal
 KEY = "helper-deaths-test-key"
 
 
-def _ended(pid: int) -> bool:
-    """Whether process ``pid`` has exited (a zombie, or reaped already)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat[stat.rindex(")") + 2] == "Z"
-
-
 def _running(pattern: str) -> int | None:
     """The pid of the live process whose command line contains ``pattern``."""
     out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
-    live = [int(p) for p in out.split() if not _ended(int(p))]
+    live = [int(p) for p in out.split() if not ended(int(p))]
     return live[0] if live else None
 
 
 def _kill(pid: int | None) -> int:
     assert pid is not None, "the helper is not running"
     os.kill(pid, signal.SIGKILL)
-    assert eventually(lambda: _ended(pid), within=10)
+    assert eventually(lambda: ended(pid), within=10)
     return pid
 
 

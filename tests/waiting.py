@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 
 def eventually(condition: Callable[[], bool], within: float = 30) -> bool:
@@ -15,3 +16,12 @@ def eventually(condition: Callable[[], bool], within: float = 30) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+def ended(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie, or reaped already)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat[stat.rindex(")") + 2] == "Z"
