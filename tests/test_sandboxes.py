@@ -95,6 +95,8 @@ def test_background_command(sandbox) -> None:
 def test_bad_input_gets_typed_errors(sandbox, harness) -> None:
     with pytest.raises(InvalidRequest, match="image"):
         harness.sandbox(image="no-such-image")
+    with pytest.raises(InvalidRequest, match="env is"):
+        harness.sandbox(env={"BIG": "x" * 200_000})
     with pytest.raises(InvalidRequest):
         sandbox.files.write("relative/path", b"x")
     with pytest.raises(InvalidRequest):

@@ -780,6 +780,11 @@ def _raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+ENV_MAX = 128 * 1024
+"""Bytes of a sandbox's environment (``KEY=value`` strings): one exec's arguments and
+environment share the kernel's limit, a quarter of the stack limit (2 MiB at 8 MiB)."""
+
+
 def _check_env(env: dict | None) -> None:
     if env is None:
         return
@@ -795,3 +800,8 @@ def _check_env(env: dict | None) -> None:
             or "\0" in value
         ):
             raise errors.InvalidRequest(f"invalid environment variable {key!r}")
+    size = sum(len(k.encode()) + len(v.encode()) + 2 for k, v in env.items())
+    if size > ENV_MAX:
+        raise errors.InvalidRequest(
+            f"env is {size} bytes; at most {ENV_MAX} (every command of the sandbox is "
+            "started with it, and the kernel limits what an exec takes)")

@@ -143,7 +143,7 @@ class Zygote:
             try:
                 try:
                     socket.send_fds(self._conn, [message], fds)
-                except OSError:  # it died since: it never got the request, a new one does
+                except ConnectionError:  # it died since: it never got the request; a new one does
                     self._close()
                     self._start()
                     socket.send_fds(self._conn, [message], fds)
@@ -174,6 +174,8 @@ class Zygote:
             ours.close()
             raise
         ours.settimeout(30)
+        # A request is one datagram: room for a spec with the largest env a create takes.
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
         self._conn = ours
 
     def close(self) -> None:
