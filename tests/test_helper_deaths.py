@@ -12,6 +12,7 @@ guaranteed still holds. Only a request the dead helper had in hand fails.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -126,3 +127,23 @@ def test_a_dead_thaw_guard_is_replaced_and_still_thaws_after_the_daemon_dies() -
         for client in held:
             client.detach()
         stop_last(daemon, None, env)
+
+
+def test_a_thaw_guard_that_stops_reading_is_replaced(harness, make) -> None:
+    """A guard stopped (SIGSTOP) fills its pipe; the daemon must not hang on it."""
+    guard = harness.engine._thaw_guard
+    stopped = guard.pid
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        sb = make()
+        for _ in range(5000):  # ~140 KiB of hold/release messages: more than a pipe holds
+            sb.pause()
+            sb.resume()
+            if guard.pid != stopped:
+                break
+        assert guard.pid != stopped, "the stopped guard was never replaced"
+        assert eventually(lambda: ended(stopped), within=10)
+        assert sb.run_code("'alive'").text == "'alive'"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stopped, signal.SIGCONT)

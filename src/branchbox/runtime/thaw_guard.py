@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -38,6 +40,9 @@ from branchbox.runtime.cgroups import thaw_leftovers
 from branchbox.storage.journal import FAULT_ENV, recover
 
 log = logging.getLogger("branchbox.runtime")
+WRITE_WAIT = 1.0
+"""Seconds a message to the guard may wait for room in its pipe before the guard is
+taken for hung and replaced."""
 
 
 class ThawGuard:
@@ -60,9 +65,12 @@ class ThawGuard:
         # Without the commit fault point: a crash test's fault is for the daemon's commit,
         # not for the recovery of it.
         env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "branchbox.runtime.thaw_guard", self._group], env=env,
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
+        assert proc.stdin is not None
+        os.set_blocking(proc.stdin.fileno(), False)  # a guard that stops reading: _write
+        return proc
 
     @property
     def pid(self) -> int:
@@ -78,12 +86,23 @@ class ThawGuard:
             self._write([message])
 
     def _write(self, messages: list[object]) -> None:
+        """Write to the guard's pipe, waiting at most WRITE_WAIT for room: the daemon's
+        event loop must not hang on a guard that stopped reading (SIGSTOP, stuck)."""
         assert self._proc.stdin is not None
-        self._proc.stdin.write(b"".join(json.dumps(m).encode() + b"\n" for m in messages))
-        self._proc.stdin.flush()
+        fd = self._proc.stdin.fileno()
+        data = memoryview(b"".join(json.dumps(m).encode() + b"\n" for m in messages))
+        while data:
+            try:
+                data = data[os.write(fd, data):]
+            except BlockingIOError:
+                if not select.select([], [fd], [], WRITE_WAIT)[1]:
+                    raise OSError(errno.ETIMEDOUT, "the thaw guard does not read") from None
 
     def _restart(self) -> None:
-        log.warning("the thaw guard of %s died: starting another", self._group)
+        log.warning("the thaw guard of %s died or stopped reading: starting another",
+                    self._group)
+        with contextlib.suppress(OSError):
+            self._proc.kill()
         with contextlib.suppress(OSError):
             self._proc.stdin.close()
         self._proc.wait()
@@ -111,11 +130,11 @@ class ThawGuard:
         loop = asyncio.get_running_loop()
         pidfd = self._pidfd = os.pidfd_open(self._proc.pid)
 
-        def died() -> None:
+        def died() -> None:  # never after stop(): it closes the pidfd first
             self._unwatch()
-            if self._proc.poll() is not None:  # not a stop's: it closes the pidfd first
+            if self._proc.poll() is not None:  # not already replaced (by _tell)
                 self._restart()
-                self.watch()
+            self.watch()  # the guard running now
 
         loop.add_reader(pidfd, died)
 
