@@ -53,7 +53,7 @@ from branchbox.runtime import rootfs, smaps
 from branchbox.runtime.cgroups import Limits, SandboxCgroup, favor_dynamic_moves
 from branchbox.runtime.channel import AgentChannel, AgentError, interrupt_repl
 from branchbox.runtime.family import Family, Zygote, spawn_family
-from branchbox.runtime.fd_keeper import FdKeeper
+from branchbox.runtime.fd_keeper import FdKeeper, KeeperError
 from branchbox.runtime.signal_guard import SignalGuard
 from branchbox.runtime.thaw_guard import ThawGuard
 from branchbox.storage import workspace_commit
@@ -493,7 +493,12 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         """The fd keeper died (killed, crashed): start another and hand it every control
         socket and signal listener the old one held, so a daemon killed later still
         leaves every sandbox running."""
-        lost, self.keeper = self.keeper, await asyncio.to_thread(self._connect_keeper)
+        try:
+            fresh = await asyncio.to_thread(self._connect_keeper)
+        except KeeperError as exc:
+            log.error("%s: no sandbox will outlive this daemon", exc)
+            return
+        lost, self.keeper = self.keeper, fresh
         self._unwatch_keeper(lost)
         lost.close()
         self._watch_keeper()
