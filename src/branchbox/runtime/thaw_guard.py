@@ -49,8 +49,8 @@ class ThawGuard:
     """The running watcher of one daemon; ``stop()`` on a graceful stop.
 
     The daemon keeps what it told the guard (commits begun, cgroups held frozen), so a
-    guard that died (killed, crashed) is started again and told it all, at the next
-    thing the daemon tells it."""
+    guard that died (killed, crashed) or stopped reading is replaced and told it all
+    again: at once when it exits (:meth:`watch`), or when a message finds it hung."""
 
     def __init__(self, group: str) -> None:
         self._group = group
