@@ -279,7 +279,7 @@ class SandboxCgroup:
             return
         if self.version == 2:
             (self.dirs[0] / "cgroup.kill").write_text("1")
-            _wait_exited(self.pids(), timeout)
+            _wait_exited(_pidfds(self.pids()), time.monotonic() + timeout)
             return
         # Frozen processes cannot fork between our read of cgroup.procs and the kill.
         # A sandbox holding a task the freezer cannot stop is killed without that
@@ -290,14 +290,9 @@ class SandboxCgroup:
         pidfds = _pidfds(self.pids())
         _sigkill_fds(pidfds)
         self.thaw()  # frozen processes cannot die
-        while pidfds:
-            _wait_readable(pidfds, deadline)  # exited: out of the cgroup already
-            if time.monotonic() >= deadline:
-                break
+        while pidfds and _wait_exited(pidfds, deadline):  # exited: out of the cgroup
             pidfds = _pidfds(self.pids())  # joined since the look (or forked, unfrozen)
             _sigkill_fds(pidfds)
-        for fd in pidfds:
-            os.close(fd)
 
     def remove(self) -> None:
         """Kill what is left and delete the directories (idempotent).
@@ -400,24 +395,22 @@ def _sigkill_fds(pidfds: list[int]) -> None:
             signal.pidfd_send_signal(fd, signal.SIGKILL)
 
 
-def _wait_readable(pidfds: list[int], deadline: float) -> None:
-    """Wait (without polling the cgroup) until every process of ``pidfds`` has exited, or
-    ``deadline``; closes the fds of those that did, leaving the others in the list."""
+def _wait_exited(pidfds: list[int], deadline: float) -> bool:
+    """Wait (without polling the cgroup) until every process of ``pidfds`` has exited,
+    or ``deadline``; whether they all did. Closes the fds."""
     waiting = select.poll()
     for fd in pidfds:
         waiting.register(fd, select.POLLIN)
-    while pidfds and (left := deadline - time.monotonic()) > 0:
-        for fd, _ in waiting.poll(left * 1000):
-            waiting.unregister(fd)
-            pidfds.remove(fd)
+    left = set(pidfds)
+    try:
+        while left and (wait := deadline - time.monotonic()) > 0:
+            for fd, _ in waiting.poll(wait * 1000):
+                waiting.unregister(fd)
+                left.discard(fd)
+        return not left
+    finally:
+        for fd in pidfds:
             os.close(fd)
-
-
-def _wait_exited(pids: list[int], timeout: float) -> None:
-    pidfds = _pidfds(pids)
-    _wait_readable(pidfds, time.monotonic() + timeout)
-    for fd in pidfds:
-        os.close(fd)
 
 
 def _sigkill(pids: list[int]) -> None:

@@ -199,7 +199,8 @@ class Zygote:
 def _launcher_env() -> dict[str, str]:
     """The daemon's environment a launcher needs: its choice of the REPL's heap, nothing
     else (not the API key: a launcher holds the sandbox's first moments)."""
-    return {k: v for k, v in os.environ.items() if k == huge_heap.MARKER}
+    heap = os.environ.get(huge_heap.MARKER)
+    return {} if heap is None else {huge_heap.MARKER: heap}
 
 
 async def _readable(fd: int) -> None:

@@ -123,7 +123,7 @@ class Helper:
             self.loop.add_reader(self.sock.fileno(), self._readable)
 
     def _respawn(self) -> None:
-        self._stop()
+        self.close()
         self._spawn()
 
     def _readable(self) -> None:
@@ -186,7 +186,7 @@ class Helper:
                 fut.set_exception(NetworkError("the netlink helper died"))
         self.waiting.clear()
 
-    def _stop(self) -> None:
+    def close(self) -> None:
         self._fail_waiting()
         if self.loop is not None:
             with contextlib.suppress(ValueError, OSError):
@@ -195,9 +195,6 @@ class Helper:
         with contextlib.suppress(OSError):
             self.proc.kill()
         self.proc.wait()
-
-    def close(self) -> None:
-        self._stop()
 
 
 class Network:
