@@ -175,3 +175,62 @@ def test_branches_deeper_than_landlock_still_cannot_signal_each_other(make) -> N
     assert a.exec("sleep 30 & kill $! && wait $!; echo $?").stdout.strip() == "143"
     _alive(sb)
     _alive(b)
+
+
+_SHARED_MEMORY = r"""
+import mmap, multiprocessing, os
+from multiprocessing import shared_memory
+with open("/root/data", "wb") as f:
+    f.write(b"." * 8192)
+data = open("/root/data", "r+b")
+fm = mmap.mmap(data.fileno(), 8192)
+fm[:11] = b"parent-data"          # in the page cache only: no flush, no write()
+am = mmap.mmap(-1, 4096)
+am[:6] = b"parent"
+counter = multiprocessing.Value("i", 7)
+block = shared_memory.SharedMemory(create=True, size=64 << 20)  # sparse: one page written
+block.buf[:6] = b"parent"
+"""
+
+
+def test_a_branch_cannot_write_through_shared_memory_it_inherited(make) -> None:
+    """MAP_SHARED mappings (an mmap-ed file, multiprocessing values, shared_memory blocks,
+    anonymous shared memory) are one mapping in every process that inherits them; each
+    fork child gets its own, so its writes reach neither its parent nor its siblings."""
+    parent = make()
+    parent.run_code(_SHARED_MEMORY)
+    a, b = parent.fork(n=2)
+    first = a.run_code(
+        "fm[:5] = b'CHILD'; fm.flush(); am[:6] = b'child!'; counter.value = 99; "
+        "block.buf[:6] = b'child!'"
+    )
+    assert first.error is None, first.error
+    assert first.warnings and "shared memory" in first.warnings[0]
+    look = "(bytes(fm[:11]), am[:6], counter.value, bytes(block.buf[:6]))"
+    untouched = "(b'parent-data', b'parent', 7, b'parent')"
+    assert parent.run_code(look).text == untouched
+    assert b.run_code(look).text == untouched
+    assert parent.exec("head -c 11 /root/data").stdout == "parent-data"
+    assert b.exec("head -c 11 /root/data").stdout == "parent-data"
+    # The child's writes are its own, in its own file and memory.
+    assert a.run_code(look).text == "(b'CHILDt-data', b'child!', 99, b'child!')"
+    assert a.exec("head -c 11 /root/data").stdout == "CHILDt-data"
+    # And parent's writes after the fork do not reach the children either.
+    parent.run_code("am[:6] = b'later!'; counter.value = 1; fm[:6] = b'LATER!'")
+    assert b.run_code(look).text == untouched
+
+
+def test_shared_memory_stays_shared_with_a_branch_own_processes(make) -> None:
+    """Made its own, a child's shared memory is still shared with what the child starts."""
+    parent = make()
+    parent.run_code(_SHARED_MEMORY)
+    (child,) = parent.fork(n=1)
+    code = (
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    counter.value = 41; am[:5] = b'grand'; os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "(counter.value, am[:5])"
+    )
+    assert child.run_code(code).text == "(41, b'grand')"
+    assert parent.run_code("(counter.value, am[:6])").text == "(7, b'parent')"

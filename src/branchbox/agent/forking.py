@@ -37,7 +37,7 @@ import signal
 import socket
 import time
 
-from . import entry, huge_heap, protocol, sysc
+from . import entry, huge_heap, private_memory, protocol, sysc
 
 _OPEN_FLAGS_KEPT = ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC | 0o2000000)  # and not O_CLOEXEC
 _O_CLOEXEC = 0o2000000
@@ -67,11 +67,14 @@ class _Batch:
     """What every child of one fork inherits, looked at once when its first slot arrives."""
 
     def __init__(self, started: float, reopen: list[tuple[int, str, int, int]],
-                 close: list[int], threads: int, cwd: str) -> None:
+                 close: list[int], threads: int, cwd: str,
+                 shared: list[private_memory.Shared], swap: bool) -> None:
         self.started = started
         self.reopen = reopen
         self.close = close
         self.threads = threads
+        self.shared = shared
+        self.swap = swap
         self.cwd = cwd
         self.pids: list[int] = []
 
@@ -151,11 +154,13 @@ def _open_batch(agent, slot: _Slot, inherit: dict) -> _Batch:
     skip = {agent.sock.fileno(), *_inherited(), *slot.fds()}
     reopen, close = plan_fds(inherit.get("fds") or [], skip)
     threads = int(inherit.get("threads") or 1)
+    shared = private_memory.plan(inherit.get("shared") or [])
     # Objects alive now move to the permanent generation: the cyclic GC never walks
     # them again, in the children or here, so it never writes to (and so copies) the
     # pages they share. A full collection would otherwise copy the whole heap per child.
     gc.freeze()
-    STATE.batch = _Batch(started, reopen, close, threads, os.getcwd())
+    STATE.batch = _Batch(started, reopen, close, threads, os.getcwd(), shared,
+                         bool(inherit.get("swap")))
     return STATE.batch
 
 
@@ -310,9 +315,18 @@ def _relisten_one(old: socket.socket, fd: int) -> str | None:
     return f"{proto} {address[0]}:{address[1]} (fd {fd})"
 
 
-def _child_warning(threads: str | None, relistened: list[str], closed: list[int]) -> str | None:
-    """The child's first-execution warning: threads lost, sockets re-created or gone."""
+def _child_warning(threads: str | None, relistened: list[str], closed: list[int],
+                   shared: list[private_memory.Shared], zeroed: list[str]) -> str | None:
+    """The child's first-execution warning: threads lost, sockets re-created or gone,
+    shared memory made its own."""
     parts = [threads] if threads else []
+    if shared:
+        parts.append(f"{len(shared)} shared memory mappings (mmap of files, multiprocessing "
+                     "and shared_memory blocks) are this fork child's own copies: writes no "
+                     "longer reach the parent or siblings")
+    if zeroed:
+        parts.append("shared memory that could not be copied is zeros here: "
+                     + ", ".join(zeroed))
     if relistened:
         parts.append("listening sockets re-created in this fork child's own network: "
                      + ", ".join(relistened))
@@ -339,8 +353,9 @@ def _become_child(agent, slot: _Slot, batch: _Batch) -> None:
         STATE.batch = None
         os.chdir(batch.cwd)
         close, relistened = relisten(batch.close)
-        STATE.warning = _child_warning(batch.warning, relistened, close)
         _reopen(batch.reopen, close)
+        zeroed = private_memory.make_private(batch.shared, batch.swap)
+        STATE.warning = _child_warning(batch.warning, relistened, close, batch.shared, zeroed)
         ctrl = socket.socket(fileno=slot.ctrl)
         agent.reset_after_fork(ctrl)
         hello = {"pid": os.getpid()}

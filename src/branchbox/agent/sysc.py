@@ -245,3 +245,42 @@ def landlock_scope_signals() -> None:
                              ctypes.c_uint32(0)), "landlock_restrict_self")
     finally:
         os.close(fd)
+
+
+# Memory mappings (raw syscalls: glibc's mremap is variadic). Addresses are ints.
+_SYS_MMAP, _SYS_MPROTECT, _SYS_MUNMAP, _SYS_MREMAP, _SYS_MINCORE = 9, 10, 11, 25, 27
+PROT_READ, PROT_WRITE, PROT_EXEC = 0x1, 0x2, 0x4
+MAP_SHARED, MAP_FIXED, MAP_ANONYMOUS = 0x01, 0x10, 0x20
+_MREMAP_MAYMOVE, _MREMAP_FIXED = 0x1, 0x2
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _mem(nr: int, what: str, *args: int) -> int:
+    ret = _libc.syscall(ctypes.c_long(nr), *(ctypes.c_ulong(a & 0xFFFFFFFFFFFFFFFF)
+                                            for a in args))
+    return _check(ret, what)
+
+
+def mmap(addr: int, length: int, prot: int, flags: int, fd: int = -1, offset: int = 0) -> int:
+    return _mem(_SYS_MMAP, "mmap", addr, length, prot, flags, fd, offset)
+
+
+def mprotect(addr: int, length: int, prot: int) -> None:
+    _mem(_SYS_MPROTECT, "mprotect", addr, length, prot)
+
+
+def munmap(addr: int, length: int) -> None:
+    _mem(_SYS_MUNMAP, "munmap", addr, length)
+
+
+def mremap_onto(old: int, length: int, new: int) -> None:
+    """Move the pages mapped at ``old`` to ``new``, replacing what is mapped there."""
+    _mem(_SYS_MREMAP, "mremap", old, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, new)
+
+
+def mincore(addr: int, length: int) -> bytes:
+    """One byte per page of ``[addr, addr+length)``: bit 0 set if the page is in memory."""
+    vec = ctypes.create_string_buffer((length + PAGE - 1) // PAGE)
+    _check(_libc.syscall(ctypes.c_long(_SYS_MINCORE), ctypes.c_ulong(addr),
+                         ctypes.c_ulong(length), vec), "mincore")
+    return vec.raw

@@ -132,8 +132,8 @@ class Branching:
             if pbody.repl_host is None:  # a body keeps its REPL: look it up once
                 repl = await channel.call("ping")
                 pbody.repl_host = procfs.find_repl(pbody.cgroup.pids(), int(repl.get("pid") or 0))
-            inherit = await asyncio.to_thread(procfs.inherited, pbody.repl_host)
-            phase("inherit")  # the REPL's fds and threads read from the host's /proc
+            inherit = await asyncio.to_thread(_inherit, pbody.repl_host)
+            phase("inherit")  # the REPL's fds, mappings and threads read from the host's /proc
             for _ in range(n):
                 sid, body = self._prepare_child(lowers, pbody.layers, limits)
                 made.append((sid, body))
@@ -425,3 +425,16 @@ async def _result(events: AsyncIterator) -> dict:
         if header.get("ev") == "done":
             result = header.get("result") or {}
     return result
+
+
+def _inherit(repl_host: int | None) -> dict:
+    """What the REPL holds, for its fork children (runtime.procfs); a typed error when it
+    cannot be read, since a child told nothing would keep the parent's files and memory."""
+    try:
+        if repl_host is not None:
+            return procfs.describe(repl_host)
+    except procfs.TooManyShared as exc:
+        raise errors.Conflict(f"fork refused: {exc}") from None
+    except OSError:
+        pass
+    raise errors.ReplGone("fork failed: the sandbox's REPL is gone")

@@ -1,8 +1,9 @@
 """What a sandbox's REPL holds, read from the host's /proc (for fork).
 
-A fork child re-opens the parent's files in its own root and drops its
-sockets and pipes, so the REPL must learn its own fds and thread count at
-fork time. It cannot look itself: its /proc shows its sandbox's command
+A fork child re-opens the parent's files in its own root, drops its sockets
+and pipes and makes its shared memory mappings its own
+(``agent.private_memory``), so the REPL must learn its own fds, shared
+mappings and thread count at fork time. It cannot look itself: its /proc shows its sandbox's command
 namespace, and the family namespace's proc is exactly what no branch may
 mount. The daemon reads them here instead and sends them with the first
 fork slot. Paths read through ``/proc/PID/fd`` of a process in another
@@ -12,7 +13,9 @@ the child needs.
 Only processes of the sandbox's own cgroup are looked at, so a REPL that
 reports a false pid can only point the daemon at its own processes. Work is
 bounded: at most ``MAX_FDS`` fds are described (the rest are closed in the
-child), and each is a readlink, a stat and a small read.
+child), and each is a readlink, a stat and a small read; at most ``MAX_SHARED``
+shared mappings are described, and a REPL with more cannot be forked
+(:class:`TooManyShared`): a child must never keep one.
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ import os
 import stat
 
 MAX_FDS = 4096
+MAX_SHARED = 1024
+
+
+class TooManyShared(Exception):
+    """The REPL has more shared mappings than a fork child can be told about."""
 
 
 def _status(pid: int) -> dict[str, str]:
@@ -40,10 +48,12 @@ def find_repl(candidates: list[int], ns_pid: int) -> int | None:
     return None
 
 
-def describe_fds(pid: int) -> dict:
-    """``{"fds": [[fd, kind, path, flags, offset], ...], "threads": n}`` of process ``pid``;
-    kind is "file" for what a child can re-open by path (regular files, directories,
-    character devices), "other" for the rest (sockets, pipes, anonymous inodes)."""
+def describe(pid: int) -> dict:
+    """``{"fds": [[fd, kind, path, flags, offset], ...], "threads": n, "shared": [...],
+    "swap": bool}`` of process ``pid``; kind is "file" for what a child can re-open by
+    path (regular files, directories, character devices), "other" for the rest
+    (sockets, pipes, anonymous inodes). ``shared`` and ``swap``: :func:`shared_mappings`,
+    and whether the host swaps (then a page not in memory may still hold data)."""
     base = f"/proc/{pid}"
     threads = int(_status(pid).get("Threads", "1").strip() or 1)
     entries = []
@@ -59,18 +69,32 @@ def describe_fds(pid: int) -> dict:
         kind = "file" if by_path and path.startswith("/") else "other"
         entries.append([int(name), kind, path, int(info["flags"].strip(), 8),
                         int(info["pos"].strip())])
-    return {"fds": entries, "threads": threads}
+    return {"fds": entries, "threads": threads, "shared": shared_mappings(pid),
+            "swap": _swapping()}
 
 
-def inherited(pid: int | None) -> dict:
-    """What process ``pid`` (a REPL, see :func:`find_repl`) holds; empty if it is not known
-    or gone (the fork then fails on its own)."""
-    if pid is None:
-        return {}
-    try:
-        return describe_fds(pid)
-    except OSError:
-        return {}
+def shared_mappings(pid: int) -> list[list]:
+    """``[start, end, perms, offset, path]`` of every MAP_SHARED mapping of ``pid`` (perms
+    as in maps, e.g. "rw-s"; path "" when anonymous), paths relative to the process's
+    own root. Raises :class:`TooManyShared` past ``MAX_SHARED``."""
+    found = []
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            fields = line.rstrip("\n").split(maxsplit=5)
+            if len(fields) < 5 or not fields[1].endswith("s"):
+                continue
+            if len(found) == MAX_SHARED:
+                raise TooManyShared(f"the REPL has more than {MAX_SHARED} shared memory "
+                                    "mappings; a fork child must make each its own")
+            start, _, end = fields[0].partition("-")
+            found.append([int(start, 16), int(end, 16), fields[1], int(fields[2], 16),
+                          fields[5] if len(fields) == 6 else ""])
+    return found
+
+
+def _swapping() -> bool:
+    with open("/proc/swaps") as f:
+        return len(f.read().splitlines()) > 1
 
 
 def _stat_fields(pid: int) -> list[str]:
