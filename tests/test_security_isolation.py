@@ -32,6 +32,16 @@ def try_kill(pid, sig):
     except OSError as exc:
         return exc.errno
 
+def try_join_net(pid):  # setns allows network namespaces only
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError as exc:
+        return exc.errno
+    try:
+        return _err(_libc.syscall(308, fd, 0x40000000))
+    finally:
+        os.close(fd)
+
 def try_setns_own_net():
     fd = os.pidfd_open(os.getpid())  # its /proc shows another namespace: no /proc/self
     try:
@@ -67,8 +77,13 @@ def test_a_branch_cannot_mount_its_family_namespace_proc(make) -> None:
 
 
 def test_a_branch_cannot_enter_another_namespace(make) -> None:
-    _, a, _ = _family(make)
-    assert a.run_code("try_setns_own_net()").text == "1"  # EPERM: setns is refused outright
+    parent, a, b = _family(make)
+    assert a.run_code("try_setns_own_net()").text == "1"  # EPERM: only network namespaces
+    # Network namespaces (fork children join the one made for them) only within reach:
+    # never a sibling's or the parent's.
+    for name, target in (("parent", parent), ("sibling", b)):
+        got = a.run_code(f"try_join_net({_pid(target)})").text
+        assert got == "1", f"joining the {name}'s network from a branch: errno {got}"
 
 
 def test_a_branch_cannot_signal_its_parent_or_siblings(make) -> None:
@@ -163,6 +178,8 @@ def test_branches_deeper_than_landlock_still_cannot_signal_each_other(make) -> N
     for name, target in (("parent", sb), ("sibling", b)):
         got = a.run_code(f"try_kill({_pid(target)}, signal.SIGKILL)").text
         assert got == "1", f"SIGKILL to the {name} from a deep branch: errno {got}"
+        got = a.run_code(f"try_join_net({_pid(target)})").text
+        assert got == "1", f"joining the {name}'s network from a deep branch: errno {got}"
     assert a.run_code("try_kill(-1, signal.SIGKILL)").text == "1"
     assert a.run_code(f"try_kill(-{_pid(b)}, signal.SIGKILL)").text == "1"  # b's group
     # What is its own still answers to it: a subprocess of the REPL, a background command

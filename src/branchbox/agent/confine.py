@@ -4,12 +4,11 @@ Installed once, by a family's first REPL right before it execs the image's
 python3; fork children and commands inherit it (filters survive fork and
 exec), so it is never stacked twice. It is a deny-list: sandbox root must
 keep what a root shell inside a container can do (mount inside its own
-namespaces, unshare, setns for its commands — the REPL itself needs those to
-set up fork children), and loses what only reaches the kernel or other
-processes' memory: ptrace and its relatives, kernel modules and kexec, BPF,
-perf events, keyrings, file handles (open_by_handle_at can escape a mount),
-and setns (nothing in a sandbox needs it: commands are born in their
-namespace by bb-init).
+namespaces, unshare — the REPL itself needs those to set up fork children),
+and loses what only reaches the kernel or other processes' memory: ptrace
+and its relatives, kernel modules and kexec, BPF, perf events, keyrings,
+file handles (open_by_handle_at can escape a mount), and setns into anything
+but a network namespace (commands are born in their namespaces by bb-init).
 
 Mount flags the daemon set (nodev, nosuid, ro) must hold: the trees it hands
 a sandbox are attached inside the sandbox's own mount namespace, where the
@@ -25,6 +24,14 @@ itself (pid 0): every REPL of a family sits in the same PID namespace with
 the same credentials, so ``prlimit64(sibling, RLIMIT_CPU, 0)`` or a
 scheduler change would otherwise reach a sibling branch (signals are kept
 in their branch by Landlock, see ``entry``).
+
+``setns`` is allowed for network namespaces only, so that a fork child can
+join the one the daemon made ahead for it. The kernel asks CAP_SYS_ADMIN
+over the namespace's owner (the host's is out of reach) and, for a pidfd,
+ptrace read access to the process, which Landlock gives only over the
+caller's own branch and the branches forked from it: never a sibling or
+the parent. Past Landlock's depth the daemon answers ``pidfd_open``
+(``supervise_signals``), so a sibling's pidfd cannot be had there either.
 
 Landlock nests only 16 domains deep. A branch past that depth adds a second
 filter (:func:`supervise_signals`) whose signal calls the daemon answers:
@@ -58,7 +65,8 @@ _NR, _ARCH = 0, 4
 
 _SYS_MOUNT = 165
 # syscall -> (argument index, the only value allowed): "this process" for calls that take a
-# pid (0), PRIO_PROCESS/IOPRIO_WHO_PROCESS where a "which" selects what the pid means.
+# pid (0), PRIO_PROCESS/IOPRIO_WHO_PROCESS where a "which" selects what the pid means;
+# for setns, the namespace type.
 _ONLY_SELF = {
     "prlimit64": (302, ((0, 0),)),
     "sched_setaffinity": (203, ((0, 0),)),
@@ -69,10 +77,10 @@ _ONLY_SELF = {
     "move_pages": (279, ((0, 0),)),
     "setpriority": (141, ((0, 0), (1, 0))),
     "ioprio_set": (251, ((0, 1), (1, 0))),
+    "setns": (308, ((1, sysc.CLONE_NEWNET),)),  # not "self": the one namespace type allowed
 }
 _MS_REMOUNT = 0x20
 DENIED = {
-    "setns": 308,
     "mount_setattr": 442,
     "fspick": 433,
     "ptrace": 101,

@@ -16,7 +16,9 @@ order matters:
    filter whose signal calls the daemon answers (``confine.supervise_signals``);
 2. unshare mount, network, UTS and IPC namespaces (not PID: the REPL stays
    flat in P and never changes its pid_for_children, so P can belong to the
-   host's user namespace, out of reach of sandbox root — see step 6);
+   host's user namespace, out of reach of sandbox root — see step 6); a fork
+   child the daemon made a network namespace for ahead (plugged, addressed,
+   owned by the family's user namespace) joins that one instead;
 3. make every mount private, so nothing propagates back to the parent;
 4. hostname = sandbox id, loopback up;
 5. attach the root tree the daemon built (a detached overlay mount), and
@@ -146,6 +148,7 @@ def enter_sandbox(
     repl_cgroup_fds: list[int],
     cmds_cgroup_fds: list[int],
     mounts: list[tuple[int, str]] = (),
+    netns: int | None = None,
 ) -> Entered:
     """Turn the calling process into a sandbox's REPL process; returns its spawner socket
     (close-on-exec), through which it starts commands in Q, and a signal listener if one
@@ -154,8 +157,9 @@ def enter_sandbox(
     ``attach`` is an empty directory of the current root where the tree is
     attached before pivoting. Every fd given is consumed: ``tree_fd``,
     ``repl_cgroup_fds``, ``cmds_cgroup_fds`` (bb-init joins them, and every command
-    it starts inherits them) and ``mounts``, more detached trees (fd, absolute path
-    in the sandbox) to attach inside the root — a workspace.
+    it starts inherits them), ``mounts``, more detached trees (fd, absolute path
+    in the sandbox) to attach inside the root — a workspace — and ``netns``, a
+    network namespace to join instead of making one.
     """
     for fd in repl_cgroup_fds:  # 1
         os.write(fd, b"0")
@@ -163,13 +167,17 @@ def enter_sandbox(
     listener = _own_signal_scope()
     sysc.unshare(
         sysc.CLONE_NEWNS
-        | sysc.CLONE_NEWNET
+        | (sysc.CLONE_NEWNET if netns is None else 0)
         | sysc.CLONE_NEWUTS  # 2
         | sysc.CLONE_NEWIPC
     )
+    if netns is not None:
+        sysc.setns(netns, sysc.CLONE_NEWNET)
+        os.close(netns)
     sysc.mount(None, "/", None, sysc.MS_REC | sysc.MS_PRIVATE)  # 3
     socket.sethostname(hostname)  # 4
-    _loopback_up()
+    if netns is None:  # a namespace made ahead has it up already
+        _loopback_up()
     sysc.move_mount_fd(tree_fd, attach)  # 5
     os.close(tree_fd)
     for fd, path in mounts:

@@ -49,18 +49,20 @@ class _Slot:
     This module's classes are plain, not dataclasses: every REPL imports them at its
     start, and ``dataclasses`` (with ``inspect``, ``ast``...) was a sixth of that."""
 
-    def __init__(self, sandbox_id: str, tree: int, ctrl: int, repl_cgroup: list[int],
-                 cmds_cgroup: list[int], mounts: list[tuple[int, str]]) -> None:
+    def __init__(self, sandbox_id: str, tree: int, ctrl: int, netns: int | None,
+                 repl_cgroup: list[int], cmds_cgroup: list[int],
+                 mounts: list[tuple[int, str]]) -> None:
         self.sandbox_id = sandbox_id
         self.tree = tree
         self.ctrl = ctrl
+        self.netns = netns
         self.repl_cgroup = repl_cgroup
         self.cmds_cgroup = cmds_cgroup
         self.mounts = mounts
 
     def fds(self) -> list[int]:
-        return [self.tree, self.ctrl, *self.repl_cgroup, *self.cmds_cgroup,
-                *(fd for fd, _ in self.mounts)]
+        return [self.tree, self.ctrl, *([] if self.netns is None else [self.netns]),
+                *self.repl_cgroup, *self.cmds_cgroup, *(fd for fd, _ in self.mounts)]
 
 
 class _Batch:
@@ -121,19 +123,22 @@ def take_warning() -> str | None:
 
 
 def handle_fork_slot(agent, req: dict, payload: bytes, fds: list[int]) -> None:
-    """Fork one child now. fds = [root tree, control socket, *repl cgroup, *cmds cgroup,
-    *trees to attach at ``req["mounts"]`` (paths)]. The first slot of a fork opens the
-    batch; "fork" closes it. The first slot also carries ``inherit``: the REPL's fds
-    and thread count as the daemon read them from the host's /proc."""
+    """Fork one child now. fds = [root tree, control socket, network namespace to join
+    (if ``req["netns"]``: made ahead by the daemon), *repl cgroup, *cmds cgroup, *trees
+    to attach at ``req["mounts"]`` (paths)]. The first slot of a fork opens the batch;
+    "fork" closes it. The first slot also carries ``inherit``: the REPL's fds, shared
+    mappings and thread count as the daemon read them from the host's /proc."""
     nrepl, ncmds, paths = int(req["nrepl"]), int(req["ncmds"]), list(req.get("mounts", ()))
-    if len(fds) != 2 + nrepl + ncmds + len(paths):
+    first = 3 if req.get("netns") else 2
+    if len(fds) != first + nrepl + ncmds + len(paths):
         for fd in fds:
             os.close(fd)
         agent.fail(req["rid"], "InvalidRequest", "fork_slot got the wrong number of fds")
         return
-    repl_end, cmds_end = 2 + nrepl, 2 + nrepl + ncmds
+    repl_end, cmds_end = first + nrepl, first + nrepl + ncmds
     mounts = list(zip(fds[cmds_end:], paths, strict=True))
-    slot = _Slot(req["id"], fds[0], fds[1], fds[2:repl_end], fds[repl_end:cmds_end], mounts)
+    slot = _Slot(req["id"], fds[0], fds[1], fds[2] if first == 3 else None,
+                 fds[first:repl_end], fds[repl_end:cmds_end], mounts)
     parent = os.getpid()
     try:
         batch = STATE.batch or _open_batch(agent, slot, req.get("inherit") or {})
@@ -346,7 +351,7 @@ def _become_child(agent, slot: _Slot, batch: _Batch) -> None:
         os.setsid()
         entered = entry.enter_sandbox(
             slot.tree, entry.ATTACH, slot.sandbox_id, slot.repl_cgroup, slot.cmds_cgroup,
-            slot.mounts,
+            slot.mounts, slot.netns,
         )
         STATE.spawner = entered.spawner
         STATE.listener = -1 if entered.listener is None else entered.listener

@@ -67,14 +67,13 @@ class Branching:
 
     async def _fork_locked(self, parent: Live, channel: AgentChannel, n: int) -> list[Live]:
         """``n`` children of ``parent`` (locked, alive), adopted as its fork children."""
-        made = await self._fork_bodies(parent.body, channel, parent.record.meta, n,
-                                       timings=parent)
+        made = await self._fork_bodies(parent.body, channel, parent, n, timings=parent)
         children = self._adopt_children(parent, made, parent.generation)
         self.events.publish("fork", parent.record, children=[c.id for c in children],
                             took=parent.last_fork["total"])
         return children
 
-    async def _fork_bodies(self, pbody: Body, channel: AgentChannel, meta: dict, n: int,
+    async def _fork_bodies(self, pbody: Body, channel: AgentChannel, owner: Live, n: int,
                            **options) -> list[tuple[str, Body]]:
         """:meth:`_fork_bodies_now` within the daemon's fork deadline: the forked body is
         frozen and its sandbox locked meanwhile, whichever call (fork, checkpoint, a fork of
@@ -82,18 +81,20 @@ class Branching:
         deadline = self.config.fork_deadline
         try:
             async with asyncio.timeout(deadline):
-                return await self._fork_bodies_now(pbody, channel, meta, n, **options)
+                return await self._fork_bodies_now(pbody, channel, owner, n, **options)
         except TimeoutError:
             raise errors.SandboxTimeout(
                 f"a fork did not finish within {deadline:g} s (the REPL did not answer); "
                 "nothing was made") from None
 
-    async def _fork_bodies_now(self, pbody: Body, channel: AgentChannel, meta: dict, n: int,
+    async def _fork_bodies_now(self, pbody: Body, channel: AgentChannel, owner: Live, n: int,
                                *, timings: Live | None = None,
                                thaw_cmds: bool = True,
                                network: bool = True) -> list[tuple[str, Body]]:
-        """``n`` new bodies forked from ``pbody`` (whose REPL is ``channel``), each with a
-        fresh id and its network attached under policy ``meta["network"]``; not adopted.
+        """``n`` new bodies forked from ``pbody`` (whose REPL is ``channel``; the body of
+        ``owner`` or of one of its checkpoints), each with a fresh id and its network under
+        ``owner``'s policy: a namespace its family made ahead, or one plugged after the
+        child's hello; not adopted.
 
         Pipelined: the REPL forks child k as soon as its slot arrives, so child k sets
         itself up while the daemon prepares child k+1. All children still come from one
@@ -103,6 +104,8 @@ class Branching:
         the bodies without a port (a checkpoint never speaks; what is forked from it
         gets one). ``timings`` gets the fork's timings as its ``last_fork``."""
         started = time.perf_counter()
+        meta = owner.record.meta
+        family = owner.family if network and owner.family.joins_netns else None
         phases: dict[str, float] = {}  # where the fork's time went, in order (seconds)
         mark = [started]
 
@@ -138,11 +141,16 @@ class Branching:
                 sid, body = self._prepare_child(lowers, pbody.layers, limits)
                 made.append((sid, body))
                 batch_open = True
-                answer, hello = await self._send_slot(channel, sid, body, inherit)
+                took = time.perf_counter_ns()
+                netns = self.net.take_made(body.key, family.family.ident) if family else None
+                took = time.perf_counter_ns() - took
+                answer, hello = await self._send_slot(channel, sid, body, inherit, netns)
                 inherit = None
                 hellos.append(hello)
-                pending += [answer, self._networked(hello, body, net_steps) if network
-                            else hello]
+                if netns is not None:  # joined in the child: nothing left to do here
+                    net_steps.append({"take": took})
+                pending += [answer, self._networked(hello, body, net_steps)
+                            if network and netns is None else hello]
             batch_open = False
             forked = await channel.call("fork")
             phase("slots")  # children's volumes and cgroups made, slots sent, REPL forked
@@ -195,6 +203,8 @@ class Branching:
             if thaw_cmds:
                 pbody.cgroup.freeze("cmds", frozen=False)
         self.net.refill_soon()  # leases for the next fork, after this one's answer
+        if family is not None:  # and namespaces for the family's next one
+            self.net.want_made(family.family.ident, family.family.pid, n)
         return made
 
     def _adopt_children(self, parent: Live, made: list[tuple[str, Body]],
@@ -270,22 +280,29 @@ class Branching:
         await body.channel.call("drop_listener")
 
     async def _send_slot(self, channel: AgentChannel, sid: str, body: Body,
-                         inherit: dict | None):
-        """Hand the REPL a child's root, control socket, cgroup fds and extra mounts; it
-        forks the child on receipt. The first slot of a fork also carries ``inherit``
-        (the REPL's fds, see runtime.procfs). Returns two awaitables: the REPL's answer,
-        and the child's hello (request 0 on its own channel: ready, or why its set-up
-        failed)."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                         inherit: dict | None, netns: int | None):
+        """Hand the REPL a child's root, control socket, network namespace to join (made
+        ahead; consumed) if any, cgroup fds and extra mounts; it forks the child on
+        receipt. The first slot of a fork also carries ``inherit`` (the REPL's fds, see
+        runtime.procfs). Returns two awaitables: the REPL's answer, and the child's hello
+        (request 0 on its own channel: ready, or why its set-up failed)."""
+        joined = [] if netns is None else [netns]
+        try:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        except BaseException:
+            for fd in joined:
+                os.close(fd)
+            raise
         body.channel = AgentChannel(ours)
         hello = _result(body.channel.events(0, body.channel.expect(0)))  # before it can come
         repl_fds, cmds_fds = body.cgroup.join_fds("repl"), body.cgroup.join_fds("cmds")
         mounts = body.layers.mounts()
-        fds = [body.layers.tree(), *repl_fds, *cmds_fds, *(fd for fd, _ in mounts)]
+        fds = [body.layers.tree(), *joined, *repl_fds, *cmds_fds, *(fd for fd, _ in mounts)]
         try:
             rid, queue = channel.open_request()
             slot = {"op": "fork_slot", "rid": rid, "id": sid, "nrepl": len(repl_fds),
-                    "ncmds": len(cmds_fds), "mounts": [path for _, path in mounts]}
+                    "ncmds": len(cmds_fds), "netns": bool(joined),
+                    "mounts": [path for _, path in mounts]}
             if inherit is not None:
                 slot["inherit"] = inherit
             await channel.send(slot, fds=[fds[0], theirs.fileno(), *fds[1:]])

@@ -101,7 +101,7 @@ class Checkpoints:
         try:
             channel = self._check_alive(sb)
             try:
-                ((_, body),) = await self._fork_bodies(sb.body, channel, sb.record.meta, 1,
+                ((_, body),) = await self._fork_bodies(sb.body, channel, sb, 1,
                                                        network=False)
             except FreezeFailed as exc:
                 raise errors.Conflict(f"checkpoint failed: {exc}") from None
@@ -124,7 +124,7 @@ class Checkpoints:
         finally:
             self._unlock(sb)  # once the REPL is done with calls given up on
 
-    async def _copy_checkpoint(self, cp: Checkpoint, meta: dict, n: int) -> list[tuple[str, Body]]:
+    async def _copy_checkpoint(self, cp: Checkpoint, sb: Live, n: int) -> list[tuple[str, Body]]:
         """``n`` running bodies forked from the checkpoint. Only its REPL thaws, for the
         fork; its commands stay frozen throughout (their leaf is frozen on its own
         first), so the checkpoint stays the instant it was."""
@@ -135,7 +135,7 @@ class Checkpoints:
             channel = cp.body.channel
             if channel is None or channel.closed.is_set():
                 raise errors.ReplGone(f"checkpoint {cp.id} is gone (its REPL was killed)")
-            return await self._fork_bodies(cp.body, channel, meta, n, thaw_cmds=False)
+            return await self._fork_bodies(cp.body, channel, sb, n, thaw_cmds=False)
         except FreezeFailed as exc:
             raise errors.Conflict(f"checkpoint {cp.id}: {exc}") from None
         finally:
@@ -154,7 +154,7 @@ class Checkpoints:
                 refuse_paused(sb)
                 if self.live.get(sandbox_id) is not sb or checkpoint_id not in self._checkpoints:
                     raise errors.SandboxNotFound()  # closed or deleted while we waited
-                ((_, body),) = await self._copy_checkpoint(cp, sb.record.meta, 1)
+                ((_, body),) = await self._copy_checkpoint(cp, sb, 1)
             old = self._rebind(sb, body)
             self._record_rebind(sb)
             await self._take_over(sb, old)
@@ -170,7 +170,7 @@ class Checkpoints:
         async with cp.lock:
             if checkpoint_id not in self._checkpoints:
                 raise errors.SandboxNotFound()
-            made = await self._copy_checkpoint(cp, sb.record.meta, n)
+            made = await self._copy_checkpoint(cp, sb, n)
         if self.live.get(sandbox_id) is not sb:  # closed meanwhile: its family may be gone
             for _, body in made:
                 await self._destroy_body(body)

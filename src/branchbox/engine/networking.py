@@ -7,6 +7,14 @@ a small pool of them is kept ready — so a fork only creates each child's veth
 into its namespace and sets the address (runtime.netlink_helper). The address
 belongs to the sandbox id: a merge gives the winner's body the parent's address.
 
+Fork children go further: a family that forks keeps network namespaces made
+ahead (``Made``: a port's namespace, owned by the family's user namespace,
+plugged and addressed off the fork path by ``runtime.netlink_helper``), and a
+child joins one with ``setns`` instead of making its own, so its network
+costs the fork nothing. After a fork of n children the family keeps n ready
+(at most ``MADE_MAX``); a child that finds none is plugged after its hello, as
+above. They go with the family.
+
 A policy is ``{"internet": bool, "allow_out": [CIDR], "deny_out": [CIDR]}``
 (host names in the lists are resolved when the policy is applied); fork
 children inherit their parent's (it is in the record's meta).
@@ -34,6 +42,7 @@ log = logging.getLogger("branchbox.engine")
 POOL = 40  # prepared ports kept ready: a fork(32) takes all its children's from here
 CHUNK = 8  # ports prepared at a time (~1.5 ms each, on the event loop)
 REFILL_DELAY = 0.05  # s after a fork: its answer is on its way before the pool is refilled
+MADE_MAX = 32  # namespaces a family keeps made ahead (its largest fork so far, up to this)
 LINK_GRACE = 5.0  # s a closed body's link may take to go with its namespace, then deleted
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS net_leases (
@@ -50,6 +59,14 @@ class Port:
     address: str
     wire: PlugMessages  # its plug's netlink messages, encoded when it is prepared
     plugged: bool = False
+
+
+@dataclass(eq=False)
+class Made:
+    """A network namespace made ahead for a family's next fork child, with its port."""
+
+    port: Port
+    netns: int  # fd; handed to a child's fork slot, closed here if the family goes first
 
 
 def _mac(address: str) -> str:
@@ -73,6 +90,9 @@ class SandboxNetwork:
         self._refill: asyncio.Handle | None = None
         self._dying: dict[str, tuple[Port, float]] = {}  # released, link not yet gone
         self._unplugging: set[asyncio.Task] = set()
+        self.made: dict[tuple[int, int], list[Made]] = {}  # family launcher -> ready
+        self._made_want: dict[tuple[int, int], int] = {}
+        self._making: dict[tuple[int, int], asyncio.Task] = {}
 
     async def start(self, keep: set[str] = frozenset()) -> None:
         """Build the bridge and firewall. ``keep``: bodies of an earlier daemon that this
@@ -105,6 +125,7 @@ class SandboxNetwork:
     async def stop(self) -> None:
         if self._refill is not None:
             self._refill.cancel()
+        self._drop_all_made()
         await asyncio.gather(*self._unplugging, return_exceptions=True)
         self._dying.clear()
         await self.net.stop()  # every port of this daemon, dying ones too
@@ -115,6 +136,7 @@ class SandboxNetwork:
         the firewall stay for the next daemon; only this one's helper ends."""
         if self._refill is not None:
             self._refill.cancel()
+        self._drop_all_made()  # their links go with them; the next daemon sweeps the leases
         self.net.detach()
 
     # ------------------------------------------------------------------ leases
@@ -138,7 +160,7 @@ class SandboxNetwork:
         self._used.discard(int(ipaddress.IPv4Address(address)) - base)
         self.db.execute("DELETE FROM net_leases WHERE address = ?", (address,))
 
-    def _prepare(self, n: int) -> None:
+    def _prepare(self, n: int) -> list[Port]:
         """Leases admitted by the firewall before anyone needs them (one transaction)."""
         self._reap()
         fresh = [self._lease() for _ in range(n)]
@@ -148,12 +170,14 @@ class SandboxNetwork:
             for p in fresh:
                 self._free(p.address)
             raise
-        self.ready += fresh
+        return fresh
 
     def take(self, body_key: str) -> Port:
         if not self.ready:  # a fork larger than the pool: the rest on its path
-            self._prepare(CHUNK)
-        port = self.ready.pop()
+            self.ready += self._prepare(CHUNK)
+        return self._bind(body_key, self.ready.pop())
+
+    def _bind(self, body_key: str, port: Port) -> Port:
         self.ports[body_key] = port
         self.db.execute("UPDATE net_leases SET body = ? WHERE address = ?",
                         (body_key, port.address))
@@ -166,7 +190,7 @@ class SandboxNetwork:
         if len(self.ready) >= POOL:
             return
         try:
-            self._prepare(min(CHUNK, POOL - len(self.ready)))
+            self.ready += self._prepare(min(CHUNK, POOL - len(self.ready)))
         except Exception as exc:  # noqa: BLE001 - the next take prepares on its own
             log.warning("network: preparing ports failed: %s", exc)
             return
@@ -219,8 +243,10 @@ class SandboxNetwork:
         and holds up the forks queued behind it). The address is leased again only once
         the link is gone (``_reap``): the port's MAC is derived from it."""
         port = self.ports.pop(body_key, None)
-        if port is None:
-            return
+        if port is not None:
+            self._let_go(port)
+
+    def _let_go(self, port: Port) -> None:
         self.net.firewall.clear_policy(port.address, self.policies.pop(port.address, None))
         self.net.firewall.remove_ports([(port.name, port.mac, port.address)])
         self.db.execute("UPDATE net_leases SET body = NULL WHERE address = ?", (port.address,))
@@ -253,6 +279,75 @@ class SandboxNetwork:
         finally:
             for port in ports:
                 self._free(port.address)
+
+    # ------------------------------------------------------ made ahead, per family
+    def take_made(self, body_key: str, family: tuple[int, int]) -> int | None:
+        """A namespace made ahead for ``family``, now the body's (its port too): the fd
+        for the child's fork slot, or None if the family has none ready."""
+        ready = self.made.get(family)
+        if not ready:
+            return None
+        made = ready.pop()
+        self._bind(body_key, made.port)
+        return made.netns
+
+    def want_made(self, family: tuple[int, int], launcher_pid: int, n: int) -> None:
+        """After a fork of ``n``: keep that many namespaces ready for the family's next one
+        (its largest so far, at most MADE_MAX), made in the background."""
+        want = max(self._made_want.get(family, 0), min(n, MADE_MAX))
+        self._made_want[family] = want
+        if family not in self._making and len(self.made.get(family, ())) < want:
+            task = asyncio.get_running_loop().create_task(self._make(family, launcher_pid))
+            self._making[family] = task
+            task.add_done_callback(lambda _: self._making.pop(family, None))
+
+    async def _make(self, family: tuple[int, int], launcher_pid: int) -> None:
+        await asyncio.sleep(REFILL_DELAY)  # the fork's answer goes out first
+        try:
+            userns = procfs.user_namespace(launcher_pid, family[1])
+        except OSError:
+            return  # the family is gone (drop_made follows)
+        try:
+            while family in self._made_want and \
+                    len(self.made.setdefault(family, [])) < self._made_want[family]:
+                ports = self._prepare(min(CHUNK, self._made_want[family]
+                                          - len(self.made[family])))
+                for port in ports:
+                    port.plugged = True  # or about to be: freed once no link has its name
+                try:
+                    fds = await self.net.make(
+                        userns, [(p.name, p.mac, p.address, p.wire) for p in ports])
+                except BaseException as exc:
+                    for port in ports:
+                        self._let_go(port)
+                    if isinstance(exc, NetworkError):
+                        log.warning("network: making namespaces ahead failed: %s", exc)
+                        return
+                    raise
+                made = [Made(p, fd) for p, fd in zip(ports, fds, strict=True)]
+                if family in self._made_want:
+                    self.made[family] += made
+                else:  # the family went while they were made
+                    self._drop(made)
+        finally:
+            os.close(userns)
+
+    def drop_made(self, family: tuple[int, int]) -> None:
+        """The family is gone: its namespaces made ahead go (their links with them)."""
+        self._made_want.pop(family, None)
+        task = self._making.pop(family, None)
+        if task is not None:
+            task.cancel()
+        self._drop(self.made.pop(family, []))
+
+    def _drop(self, made: list[Made]) -> None:
+        for m in made:
+            os.close(m.netns)
+            self._let_go(m.port)
+
+    def _drop_all_made(self) -> None:
+        for family in list(self.made) + list(self._making):
+            self.drop_made(family)
 
     async def hand_over(self, winner_key: str, parent_key: str, cgroup) -> None:
         """A merge: the winner's body takes the parent's address (the id keeps it); the

@@ -436,11 +436,13 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
             await family.kill()
             raise
         record = SandboxRecord(id=sid, family=sid, instance=key, image=image, meta=meta)
-        return Live(record, body, FamilyHandle(family, {sid}))
+        return Live(record, body, FamilyHandle(family, {sid}, joins_netns=True))
 
     def _family_gone(self, family: Family, ids: IdRange) -> None:
-        """A family's launcher is gone: nothing of it runs in its id range any more."""
+        """A family's launcher is gone: nothing of it runs in its id range any more, and
+        its namespaces made ahead have nobody to join them."""
         self.records.drop_launcher(family.ident)
+        self.net.drop_made(family.ident)
         ids.drop()
 
     def _adopt(self, made: Live | list[Live], timeout: float | None) -> None:

@@ -35,6 +35,7 @@ from pyroute2.netlink.rtnl.ndmsg import ndmsg
 from pyroute2.netlink.rtnl.rtmsg import rtmsg
 
 IFF_UP = 1
+LOOPBACK_INDEX = 1
 PEER_INDEX = 2  # eth0's ifindex inside a fresh namespace (ifindexes are per namespace)
 NETNS_SLOT = 200  # the helper's fd number for "the namespace of this request"
 ACK = NLM_F_REQUEST | NLM_F_ACK
@@ -139,8 +140,9 @@ def forget_neighbour(bridge_index: int, addr: str) -> Batch:
 
 
 def configure(index: int, addr: str, prefix: int, gateway: str) -> Batch:
-    """Inside a sandbox's namespace: ``eth0`` (``index``) up, ``addr``, default route."""
-    return (link_up(index) + address(index, addr, prefix)
+    """Inside a sandbox's namespace: ``lo`` up (a namespace made ahead has nobody else to
+    do it), ``eth0`` (``index``) up, ``addr``, default route."""
+    return (link_up(LOOPBACK_INDEX) + link_up(index) + address(index, addr, prefix)
             + default_route(index, gateway))
 
 

@@ -88,6 +88,7 @@ def host_resolvers(path: Path = Path("/etc/resolv.conf")) -> list[str]:
     return found
 
 
+_SCM_MAX_FD = 253  # fds the kernel passes in one message
 HELPER_TIMEOUT = 60.0
 """Seconds a netlink request may take (most take milliseconds; a sweep of a thousand
 links, seconds) before the helper is taken for hung and replaced."""
@@ -129,20 +130,24 @@ class Helper:
     def _readable(self) -> None:
         while True:
             try:
-                data = self.sock.recv(65536)
+                data, fds, _, _ = socket.recv_fds(self.sock, 65536, _SCM_MAX_FD)
             except BlockingIOError:
                 return
             except OSError:
-                data = b""
+                data, fds = b"", []
             if not data:  # the helper died: fail everything waiting
                 self.loop.remove_reader(self.sock.fileno())
                 self._fail_waiting()
                 return
             reply = json.loads(data)
             reply["received"] = time.perf_counter_ns()
+            reply["fds"] = fds
             fut = self.waiting.pop(reply.get("id"), None)
             if fut is not None and not fut.done():
                 fut.set_result(reply)
+            else:  # its caller gave up (timed out): nobody else will close them
+                for fd in fds:
+                    os.close(fd)
 
     async def call(self, op: str, fds: list[int] = (), **args) -> dict:
         """The helper's reply to ``op``; ``arrival`` and ``replied`` in it, and the
@@ -177,6 +182,8 @@ class Helper:
             raise NetworkError(f"the netlink helper did not answer {op} within "
                                f"{HELPER_TIMEOUT:g} s") from None
         if not reply.get("ok"):
+            for fd in reply["fds"]:
+                os.close(fd)
             raise NetworkError(reply.get("error") or f"{op} failed")
         return reply
 
@@ -209,6 +216,7 @@ class Network:
         self.gateway = ""
         self.bridge_index = 0
         self.helper: Helper | None = None
+        self.maker: Helper | None = None  # makes namespaces ahead: never in a fork's way
         self.firewall: Firewall | None = None
         self.resolvers = host_resolvers()
 
@@ -219,6 +227,7 @@ class Network:
         daemon's, on ``subnet``): they stay plugged, and so does the bridge; the
         firewall is built afresh and the caller admits them again."""
         self.helper = Helper()
+        self.maker = Helper()
         LOCK_PATH.parent.mkdir(parents=True, exist_ok=True)
         with open(LOCK_PATH, "w") as lock:  # two daemons starting must not pick one subnet
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -272,6 +281,17 @@ class Network:
         finally:
             os.close(netns_fd)
 
+    async def make(self, userns_fd: int, ports: list[tuple[str, str, str, msgs.PlugMessages]]
+                   ) -> list[int]:
+        """A network namespace per port (name, MAC, address, its plug_messages), owned by
+        the user namespace ``userns_fd`` (not consumed), plugged and addressed: fds."""
+        reply = await self.maker.call("made", [userns_fd], ports=[
+            {"port": name, "mac": mac, "address": address, "prefix": self.subnet.prefixlen,
+             "gateway": self.gateway, "bridge": self.bridge_index,
+             "veth": wire.veth.data.hex(), "inside": wire.inside.data.hex(),
+             "ok": wire.inside.ok} for name, mac, address, wire in ports])
+        return reply["fds"]
+
     async def readdress(self, netns_fd: int, old: str, new: str) -> None:
         try:
             await self.helper.call("readdr", [netns_fd], old=old, new=new,
@@ -284,13 +304,17 @@ class Network:
         if ports:
             await self.helper.call("unplug", names=ports)
 
+    def _close_helpers(self) -> None:
+        for helper in (self.helper, self.maker):
+            if helper is not None:
+                helper.close()
+        self.helper = self.maker = None
+
     def detach(self) -> None:
-        """Let go of the helper and the firewall's library, leaving everything in place."""
+        """Let go of the helpers and the firewall's library, leaving everything in place."""
         if self.firewall is not None:
             self.firewall.nft.close()
-        if self.helper is not None:
-            self.helper.close()
-            self.helper = None
+        self._close_helpers()
 
     async def stop(self) -> None:
         """Remove the bridge, every port and the firewall."""
@@ -302,5 +326,4 @@ class Network:
             if self.firewall is not None:
                 self.firewall.remove()
                 self.firewall.nft.close()
-            self.helper.close()
-            self.helper = None
+            self._close_helpers()
