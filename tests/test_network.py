@@ -235,6 +235,45 @@ def test_own_address_and_fork(harness: Harness, make: Callable[..., Sandbox]) ->
             child.close()
 
 
+def test_later_forks_join_namespaces_made_ahead(harness: Harness,
+                                               make: Callable[..., Sandbox]) -> None:
+    """After a family's first fork, its next children join network namespaces made ahead
+    for it (nothing plugged on the fork's path): own addresses, reachable, the REPL's
+    listening socket listening, under the family's policy; they go with the family."""
+    net = harness.engine.net
+    sb = make()
+    sb.run_code("import socket; srv = socket.create_server(('0.0.0.0', 8000))")
+    for child in sb.fork(n=3):
+        child.close()
+    family = harness.engine.get(sb.id).family.family.ident
+    deadline = time.monotonic() + 10
+    while len(net.made.get(family, ())) < 3:
+        assert time.monotonic() < deadline, "no namespaces were made ahead after a fork"
+        time.sleep(0.05)
+    ready = {m.port.address: m.port.name for m in net.made[family]}
+    children = sb.fork(n=3)
+    steps = sb.info()["last_fork"]["network_steps"]
+    assert set(steps) == {"take", "policy"}, steps  # no veth, no helper on the path
+    assert {c.ip for c in children} == set(ready)
+    for child in children:
+        assert own_address(child) == child.ip
+        with socket.create_connection((child.ip, 8000), timeout=10):
+            pass
+        assert child.ip in net.policies
+    assert len({sb.ip, *(c.ip for c in children)}) == 4
+    deadline = time.monotonic() + 10
+    while len(net.made.get(family, ())) < 3:  # made again for the next fork
+        assert time.monotonic() < deadline, "the namespaces were not made again"
+        time.sleep(0.05)
+    waiting = [m.port.name for m in net.made[family]]
+    for child in children:
+        child.close()
+    sb.close()  # the family ends: what it had made ahead goes with it
+    assert family not in net.made
+    for name in waiting:
+        _wait_link_gone(name)
+
+
 def test_merge_keeps_the_parents_address(make: Callable[..., Sandbox]) -> None:
     sb = make()
     before = sb.ip
