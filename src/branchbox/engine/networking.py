@@ -11,9 +11,12 @@ Fork children go further: a family that forks keeps network namespaces made
 ahead (``Made``: a port's namespace, owned by the family's user namespace,
 plugged and addressed off the fork path by ``runtime.netlink_helper``), and a
 child joins one with ``setns`` instead of making its own, so its network
-costs the fork nothing. After a fork of n children the family keeps n ready
-(at most ``MADE_MAX``); a child that finds none is plugged after its hello, as
-above. They go with the family.
+costs the fork nothing. A new family gets ``MADE_FIRST`` (best-of-N forks
+once, soon after create: that first fork is the one that counts); after a
+fork of n children the family keeps n ready (its largest fork so far, at most
+``MADE_MAX``). A child that finds none is plugged after its hello, as above.
+They go with the family; a family re-attached after a daemon restart plugs
+every child after its hello (its seccomp filter may predate setns).
 
 A policy is ``{"internet": bool, "allow_out": [CIDR], "deny_out": [CIDR]}``
 (host names in the lists are resolved when the policy is applied); fork
@@ -42,6 +45,7 @@ log = logging.getLogger("branchbox.engine")
 POOL = 40  # prepared ports kept ready: a fork(32) takes all its children's from here
 CHUNK = 8  # ports prepared at a time (~1.5 ms each, on the event loop)
 REFILL_DELAY = 0.05  # s after a fork: its answer is on its way before the pool is refilled
+MADE_FIRST = 4  # namespaces made ahead for a new family (~200 KiB of kernel memory each)
 MADE_MAX = 32  # namespaces a family keeps made ahead (its largest fork so far, up to this)
 LINK_GRACE = 5.0  # s a closed body's link may take to go with its namespace, then deleted
 _SCHEMA = """
