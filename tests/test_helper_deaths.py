@@ -57,15 +57,24 @@ def test_a_dead_zygote_is_replaced(harness, make) -> None:
     assert zygote.pid not in (None, first)
 
 
-def test_a_dead_netlink_helper_is_replaced(harness, make) -> None:
+def test_dead_netlink_helpers_are_replaced(harness, make) -> None:
+    """Both helpers: the one on the fork's path (plugs, merges) and the one that makes a
+    family's namespaces ahead; the next request to either starts a new one."""
     sb = make()
     portal.run(harness.engine.settle())
-    helper = harness.engine.net.net.helper
+    net = harness.engine.net
+    helper, maker = net.net.helper, net.net.maker
     first = _kill(helper.proc.pid)
-    children = sb.fork(2)
+    assert portal.run(helper.call("links"))["names"]
+    assert helper.proc.pid != first
+    family = harness.engine.get(sb.id).family.family
+    net.drop_made(family.ident)  # what was made goes; the next namespaces need the maker
+    first = _kill(maker.proc.pid)
+    children = sb.fork(2)  # plugged by the new helper, or joining what the new maker made
     try:
         assert len({sb.ip, *(c.ip for c in children)}) == 3
-        assert helper.proc.pid != first
+        assert eventually(lambda: len(net.made.get(family.ident, ())) >= 2, within=10)
+        assert maker.proc.pid != first
         assert make().ip not in {sb.ip, *(c.ip for c in children)}
     finally:
         for child in children:
