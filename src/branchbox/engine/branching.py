@@ -106,8 +106,6 @@ class Branching:
         started = time.perf_counter()
         meta = owner.record.meta
         family = owner.family if network and owner.family.joins_netns else None
-        if family is not None and len(self.net.made.get(family.family.ident, ())) < n:
-            self.net.want_made(family.family.ident, family.family.pid, n, now=True)
         phases: dict[str, float] = {}  # where the fork's time went, in order (seconds)
         mark = [started]
 

@@ -47,7 +47,6 @@ CHUNK = 8  # ports prepared at a time (~1.5 ms each, on the event loop)
 REFILL_DELAY = 0.05  # s after a fork: its answer is on its way before the pool is refilled
 MADE_FIRST = 4  # namespaces made ahead for a new family (~200 KiB of kernel memory each)
 MADE_MAX = 32  # namespaces a family keeps made ahead (its largest fork so far, up to this)
-MADE_CHUNK = 4  # made per request to the helper (~6 ms): a fork in progress takes them soon
 LINK_GRACE = 5.0  # s a closed body's link may take to go with its namespace, then deleted
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS net_leases (
@@ -296,21 +295,18 @@ class SandboxNetwork:
         self._bind(body_key, made.port)
         return made.netns
 
-    def want_made(self, family: tuple[int, int], launcher_pid: int, n: int, *,
-                  now: bool = False) -> None:
+    def want_made(self, family: tuple[int, int], launcher_pid: int, n: int) -> None:
         """Keep ``n`` namespaces ready for the family's next fork (its largest so far, at
-        most MADE_MAX), made in the background: after a fork's answer is out, or ``now``
-        (a fork of more than are ready: its later children take what is made meanwhile)."""
+        most MADE_MAX), made in the background once the caller's answer is out."""
         want = max(self._made_want.get(family, 0), min(n, MADE_MAX))
         self._made_want[family] = want
         if family not in self._making and len(self.made.get(family, ())) < want:
-            task = asyncio.get_running_loop().create_task(
-                self._make(family, launcher_pid, 0.0 if now else REFILL_DELAY))
+            task = asyncio.get_running_loop().create_task(self._make(family, launcher_pid))
             self._making[family] = task
             task.add_done_callback(lambda _: self._making.pop(family, None))
 
-    async def _make(self, family: tuple[int, int], launcher_pid: int, delay: float) -> None:
-        await asyncio.sleep(delay)
+    async def _make(self, family: tuple[int, int], launcher_pid: int) -> None:
+        await asyncio.sleep(REFILL_DELAY)
         try:
             userns = procfs.user_namespace(launcher_pid, family[1])
         except OSError:  # the family is gone (a fork's wish may come after drop_made)
@@ -319,7 +315,7 @@ class SandboxNetwork:
         try:
             while family in self._made_want and \
                     len(self.made.setdefault(family, [])) < self._made_want[family]:
-                ports = self._prepare(min(MADE_CHUNK, self._made_want[family]
+                ports = self._prepare(min(CHUNK, self._made_want[family]
                                           - len(self.made[family])))
                 for port in ports:
                     port.plugged = True  # or about to be: freed once no link has its name
