@@ -204,7 +204,7 @@ class Branching:
                 pbody.cgroup.freeze("cmds", frozen=False)
         self.net.refill_soon()  # leases for the next fork, after this one's answer
         if family is not None:  # and namespaces for the family's next one
-            self.net.want_made(family.family.ident, family.family.pid, n)
+            self.net.forked(family.family.ident, family.family.pid, n)
         return made
 
     def _adopt_children(self, parent: Live, made: list[tuple[str, Body]],

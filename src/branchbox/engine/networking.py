@@ -11,12 +11,14 @@ Fork children go further: a family that forks keeps network namespaces made
 ahead (``Made``: a port's namespace, owned by the family's user namespace,
 plugged and addressed off the fork path by ``runtime.netlink_helper``), and a
 child joins one with ``setns`` instead of making its own, so its network
-costs the fork nothing. A new family gets ``MADE_FIRST`` (best-of-N forks
-once, soon after create: that first fork is the one that counts); after a
-fork of n children the family keeps n ready (its largest fork so far, at most
-``MADE_MAX``). A child that finds none is plugged after its hello, as above.
-They go with the family; a family re-attached after a daemon restart plugs
-every child after its hello (its seccomp filter may predate setns).
+costs the fork nothing. A new family gets as many as the largest of the
+daemon's last ``RECENT_FORKS`` forks had children, ``MADE_FIRST`` at least
+(best-of-N forks once, soon after create: that first fork is the one that
+counts); after a fork of n children the family keeps n ready (its largest
+fork so far); never more than ``MADE_MAX``. A child that finds none is
+plugged after its hello, as above. They go with the family; a family
+re-attached after a daemon restart plugs every child after its hello (its
+seccomp filter may predate setns).
 
 A policy is ``{"internet": bool, "allow_out": [CIDR], "deny_out": [CIDR]}``
 (host names in the lists are resolved when the policy is applied); fork
@@ -26,6 +28,7 @@ children inherit their parent's (it is in the record's meta).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ipaddress
 import itertools
@@ -45,7 +48,8 @@ log = logging.getLogger("branchbox.engine")
 POOL = 40  # prepared ports kept ready: a fork(32) takes all its children's from here
 CHUNK = 8  # ports prepared at a time (~1.5 ms each, on the event loop)
 REFILL_DELAY = 0.05  # s after a fork: its answer is on its way before the pool is refilled
-MADE_FIRST = 4  # namespaces made ahead for a new family (~200 KiB of kernel memory each)
+MADE_FIRST = 4  # namespaces made ahead for a new family at least (~200 KiB of kernel memory each)
+RECENT_FORKS = 16  # forks a new family's namespaces are sized by (the largest of them)
 MADE_MAX = 32  # namespaces a family keeps made ahead (its largest fork so far, up to this)
 LINK_GRACE = 5.0  # s a closed body's link may take to go with its namespace, then deleted
 _SCHEMA = """
@@ -97,6 +101,7 @@ class SandboxNetwork:
         self.made: dict[tuple[int, int], list[Made]] = {}  # family launcher -> ready
         self._made_want: dict[tuple[int, int], int] = {}
         self._making: dict[tuple[int, int], asyncio.Task] = {}
+        self._recent_forks: collections.deque[int] = collections.deque(maxlen=RECENT_FORKS)
 
     async def start(self, keep: set[str] = frozenset()) -> None:
         """Build the bridge and firewall. ``keep``: bodies of an earlier daemon that this
@@ -295,7 +300,18 @@ class SandboxNetwork:
         self._bind(body_key, made.port)
         return made.netns
 
-    def want_made(self, family: tuple[int, int], launcher_pid: int, n: int) -> None:
+    def new_family(self, family: tuple[int, int], launcher_pid: int) -> None:
+        """A family starts: namespaces for its first fork, as many as the daemon's recent
+        forks had children (MADE_FIRST at least)."""
+        self._want(family, launcher_pid, max(MADE_FIRST, *self._recent_forks))
+
+    def forked(self, family: tuple[int, int], launcher_pid: int, n: int) -> None:
+        """After a fork of ``n``: the family keeps that many ready, and new families learn
+        what forks here look like."""
+        self._recent_forks.append(n)
+        self._want(family, launcher_pid, n)
+
+    def _want(self, family: tuple[int, int], launcher_pid: int, n: int) -> None:
         """Keep ``n`` namespaces ready for the family's next fork (its largest so far, at
         most MADE_MAX), made in the background once the caller's answer is out."""
         want = max(self._made_want.get(family, 0), min(n, MADE_MAX))

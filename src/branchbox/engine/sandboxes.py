@@ -33,7 +33,7 @@ from branchbox.engine.layers import (
     WorkspaceLower,
 )
 from branchbox.engine.live import Body, FamilyHandle, Live, new_id
-from branchbox.engine.networking import MADE_FIRST, SandboxNetwork
+from branchbox.engine.networking import SandboxNetwork
 from branchbox.engine.pausing import Pausing, refuse_paused
 from branchbox.engine.reattach import Reattach
 from branchbox.engine.records import Records, SandboxRecord
@@ -436,7 +436,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
             await family.kill()
             raise
         record = SandboxRecord(id=sid, family=sid, instance=key, image=image, meta=meta)
-        self.net.want_made(family.ident, family.pid, MADE_FIRST)  # for its first fork
+        self.net.new_family(family.ident, family.pid)  # namespaces for its first fork
         return Live(record, body, FamilyHandle(family, {sid}, joins_netns=True))
 
     def _family_gone(self, family: Family, ids: IdRange) -> None:
