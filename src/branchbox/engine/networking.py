@@ -303,7 +303,7 @@ class SandboxNetwork:
     def new_family(self, family: tuple[int, int], launcher_pid: int) -> None:
         """A family starts: namespaces for its first fork, as many as the daemon's recent
         forks had children (MADE_FIRST at least)."""
-        self._want(family, launcher_pid, max(MADE_FIRST, *self._recent_forks))
+        self._want(family, launcher_pid, max([MADE_FIRST, *self._recent_forks]))
 
     def forked(self, family: tuple[int, int], launcher_pid: int, n: int) -> None:
         """After a fork of ``n``: the family keeps that many ready, and new families learn
