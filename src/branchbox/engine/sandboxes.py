@@ -329,6 +329,8 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
                 "workspace": str(host) if host else None, "network": policy}
         sb = await self._take_warm(image)
         if sb is not None:  # a warm sandbox: give it this request's settings
+            launcher = sb.family.family
+            self.net.new_family(launcher.ident, launcher.pid)  # as forks look now
             if memory_mb is not None:
                 sb.body.cgroup.apply(self._limits(memory_mb))
             sb.record.meta, sb.record.created = meta, time.time()
