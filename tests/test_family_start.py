@@ -1,8 +1,10 @@
 """How a family starts: the zygote forks its launcher (runtime.family_init), which holds
-nothing of the daemon's but its log (no fd, no environment variable but its heap choice)."""
+nothing of the daemon's but its log and the socket it makes network namespaces through
+(no other fd, no environment variable but its heap choice)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
 
@@ -26,7 +28,11 @@ def test_a_launcher_is_forked_by_the_zygote_and_holds_only_its_log(harness, make
     fds = {int(fd): os.readlink(f"/proc/{launcher}/fd/{fd}")
            for fd in os.listdir(f"/proc/{launcher}/fd")}
     log = str(harness.data_dir / "logs" / f"{sb.id}.log")
-    assert fds == {0: "/dev/null", 1: log, 2: log}
+    assert {fd: fds.pop(fd) for fd in (0, 1, 2)} == {0: "/dev/null", 1: log, 2: log}
+    kinds = sorted(target.partition(":")[0] for target in fds.values())
+    # its own network namespace, the daemon's socket, a pidfd of the family's init
+    assert kinds == ["anon_inode", "net", "socket"], fds
+    assert "anon_inode:[pidfd]" in fds.values()
     environ = Path(f"/proc/{launcher}/environ").read_bytes().split(b"\0")
     assert {v.partition(b"=")[0] for v in environ if v} <= {b"BRANCHBOX_HUGE_HEAP"}
     assert sb.run_code("1 + 1").text == "2"
@@ -42,3 +48,31 @@ def test_the_zygote_ends_with_the_engine_and_its_families_run_on(harness, make) 
     assert ended(first)
     assert sb.run_code("'still here'").text == "'still here'"
     assert make().run_code("'and a new one'").text == "'and a new one'"
+
+
+_NS_GET_USERNS = 0xB701
+
+
+def test_a_launcher_makes_network_namespaces_its_family_owns(harness, make) -> None:
+    """What fork children join (engine.networking): namespaces owned by the family's user
+    namespace, which the launcher makes on request and the host's namespace is not."""
+    sb = make()
+    family = harness.engine.get(sb.id).family.family
+    owner = os.stat(f"/proc/{family.pid}/ns/user").st_ino
+    made = portal.run(family.make_namespaces(3))
+    try:
+        assert len(made) == 3
+        inodes = set()
+        for fd in made:
+            assert os.readlink(f"/proc/self/fd/{fd}").startswith("net:")
+            inodes.add(os.fstat(fd).st_ino)
+            userns = fcntl.ioctl(fd, _NS_GET_USERNS)
+            try:
+                assert os.fstat(userns).st_ino == owner
+            finally:
+                os.close(userns)
+        assert len(inodes) == 3  # three namespaces, none the launcher's own
+        assert os.stat(f"/proc/{family.pid}/ns/net").st_ino not in inodes
+    finally:
+        for fd in made:
+            os.close(fd)

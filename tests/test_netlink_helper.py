@@ -15,7 +15,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -144,65 +143,28 @@ def test_a_failed_message_of_a_batch_is_reported() -> None:
         asyncio.run(scenario(holder.pid))
 
 
-_JOIN = """
-import ctypes, os, sys
-libc = ctypes.CDLL(None, use_errno=True)
-userns, netns = int(sys.argv[1]), int(sys.argv[2])
-assert libc.setns(userns, 0x10000000) == 0, os.strerror(ctypes.get_errno())
-if libc.setns(netns, 0x40000000) != 0:
-    print("setns", os.strerror(ctypes.get_errno())); sys.exit(1)
-trie = open("/proc/self/net/fib_trie").read().splitlines()
-local = {trie[i - 1].split()[-1] for i, line in enumerate(trie) if "/32 host LOCAL" in line}
-routes = [line.split()[:2] for line in open("/proc/self/net/route").read().splitlines()[1:]]
-print(" ".join(sorted(local)), ["eth0", "00000000"] in routes, flush=True)
-"""
-
-
-def test_namespaces_made_ahead_belong_to_the_family_and_are_plugged() -> None:
-    """op_made: namespaces owned by a given user namespace (a fork child, root there, may
-    join them; a namespace of the host's it may not), each with its address, default route
-    and loopback up, and the helper keeps none of them."""
-    async def scenario(userns_pid: int) -> None:
+def test_plug_each_plugs_every_namespace_given() -> None:
+    """op_plug_each (namespaces made ahead): each namespace gets its port's address, the
+    default route and loopback up; the helper keeps none of them."""
+    async def scenario(pids: list[int]) -> None:
         async with _network() as net:
-            ports = []
-            for n in (11, 12):
+            ports, fds = [], []
+            for n, pid in zip((11, 12), pids, strict=True):
                 port, address = f"{net.port_prefix}{n}", str(SUBNET.network_address + n)
                 mac = "02:bb:" + ":".join(f"{b:02x}" for b in ipaddress.IPv4Address(
                     address).packed)
                 ports.append((port, mac, address, net.plug_messages(port, mac, address)))
-            userns = os.open(f"/proc/{userns_pid}/ns/user", os.O_RDONLY)
+                fds.append(os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC))
             try:
-                fds = await net.make(userns, ports)
-                assert len(fds) == 2
-                for fd, (_, _, address, _) in zip(fds, ports, strict=True):
-                    assert os.readlink(f"/proc/self/fd/{fd}").startswith("net:")
-                    holder = subprocess.run(
-                        [sys.executable, "-c", _JOIN, str(userns), str(fd)],
-                        pass_fds=[userns, fd], capture_output=True, text=True, check=False)
-                    # lo is up (127.0.0.1), eth0 has the port's address and the default route
-                    assert holder.stdout.split() == [address, "127.0.0.1", "True"], \
-                        holder.stdout + holder.stderr
-                    os.close(fd)
-                assert not _netns_fds(net.maker.proc.pid) - {
-                    f"net:[{os.stat('/proc/self/ns/net').st_ino}]"}
-                host_ns = os.open("/proc/self/ns/net", os.O_RDONLY)
-                try:  # the contrast: the host's namespace is not the family's to join
-                    refused = subprocess.run(
-                        [sys.executable, "-c", _JOIN, str(userns), str(host_ns)],
-                        pass_fds=[userns, host_ns], capture_output=True, text=True,
-                        check=False)
-                    assert "Operation not permitted" in refused.stdout, refused
-                finally:
-                    os.close(host_ns)
+                await net.plug_each(fds, ports)
             finally:
-                os.close(userns)
-    proc = subprocess.Popen(["unshare", "--user", "--map-root-user", "sleep", "120"])
-    try:
-        for _ in range(100):  # until it has its own user namespace
-            if os.stat(f"/proc/{proc.pid}/ns/user").st_ino != os.stat("/proc/self/ns/user").st_ino:
-                break
-            time.sleep(0.01)
-        asyncio.run(scenario(proc.pid))
-    finally:
-        proc.kill()
-        proc.wait()
+                for fd in fds:
+                    os.close(fd)
+            for pid, (_, _, address, _) in zip(pids, ports, strict=True):
+                local, defaults = _inside(pid)
+                assert local == {address, "127.0.0.1"}, local  # lo is up too
+                assert defaults == [("eth0", net.gateway)], defaults
+                child_ns = f"net:[{os.stat(f'/proc/{pid}/ns/net').st_ino}]"
+                assert child_ns not in _netns_fds(net.maker.proc.pid)
+    with _holder(False) as one, _holder(False) as two:
+        asyncio.run(scenario([one.pid, two.pid]))

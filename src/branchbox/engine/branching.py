@@ -105,7 +105,7 @@ class Branching:
         gets one). ``timings`` gets the fork's timings as its ``last_fork``."""
         started = time.perf_counter()
         meta = owner.record.meta
-        family = owner.family if network and owner.family.joins_netns else None
+        family = owner.family.family if network and owner.family.family.netns_maker else None
         phases: dict[str, float] = {}  # where the fork's time went, in order (seconds)
         mark = [started]
 
@@ -142,7 +142,7 @@ class Branching:
                 made.append((sid, body))
                 batch_open = True
                 took = time.perf_counter_ns()
-                netns = self.net.take_made(body.key, family.family.ident) if family else None
+                netns = self.net.take_made(body.key, family.ident) if family else None
                 took = time.perf_counter_ns() - took
                 answer, hello = await self._send_slot(channel, sid, body, inherit, netns)
                 inherit = None
@@ -204,7 +204,7 @@ class Branching:
                 pbody.cgroup.freeze("cmds", frozen=False)
         self.net.refill_soon()  # leases for the next fork, after this one's answer
         if family is not None:  # and namespaces for the family's next one
-            self.net.forked(family.family.ident, family.family.pid, n)
+            self.net.forked(family, n)
         return made
 
     def _adopt_children(self, parent: Live, made: list[tuple[str, Body]],

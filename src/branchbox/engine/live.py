@@ -29,10 +29,6 @@ def new_id() -> str:
 class FamilyHandle:
     family: Family
     members: set[str] = field(default_factory=set)
-    # Its sandboxes' seccomp filter lets a fork child join a network namespace made ahead
-    # (engine.networking): true of families this daemon started, not of those an earlier
-    # one did (re-attached after a restart), whose filter may refuse setns.
-    joins_netns: bool = False
 
 
 @dataclass(eq=False)

@@ -7,18 +7,18 @@ a small pool of them is kept ready — so a fork only creates each child's veth
 into its namespace and sets the address (runtime.netlink_helper). The address
 belongs to the sandbox id: a merge gives the winner's body the parent's address.
 
-Fork children go further: a family that forks keeps network namespaces made
-ahead (``Made``: a port's namespace, owned by the family's user namespace,
-plugged and addressed off the fork path by ``runtime.netlink_helper``), and a
-child joins one with ``setns`` instead of making its own, so its network
-costs the fork nothing. A new family gets as many as the largest of the
-daemon's last ``RECENT_FORKS`` forks had children, ``MADE_FIRST`` at least
-(best-of-N forks once, soon after create: that first fork is the one that
-counts); after a fork of n children the family keeps n ready (its largest
-fork so far); never more than ``MADE_MAX``. A child that finds none is
-plugged after its hello, as above. They go with the family; a family
-re-attached after a daemon restart plugs every child after its hello (its
-seccomp filter may predate setns).
+Fork children go further: a family keeps network namespaces made ahead
+(``Made``: made by the family's launcher so that the family's user namespace
+owns them, plugged and addressed off the fork path by a netlink helper of its
+own), and a child joins one with ``setns`` instead of making its own, so its
+network costs the fork nothing. A new family gets as many as the largest of
+the daemon's last ``RECENT_FORKS`` forks had children, ``MADE_FIRST`` at
+least (best-of-N forks once, soon after create: that first fork is the one
+that counts); after a fork of n children the family keeps n ready (its
+largest fork so far); never more than ``MADE_MAX``. A child that finds none
+is plugged after its hello, as above. They go with the family. A family
+re-attached after a daemon restart has no launcher to ask (it talks to the
+daemon that started it): its children are plugged after their hello.
 
 A policy is ``{"internet": bool, "allow_out": [CIDR], "deny_out": [CIDR]}``
 (host names in the lists are resolved when the policy is applied); fork
@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 from branchbox.engine import errors
 from branchbox.runtime import procfs
+from branchbox.runtime.family import Family
 from branchbox.runtime.netlink_msgs import PlugMessages
 from branchbox.runtime.network import Network, NetworkError
 
@@ -49,6 +50,7 @@ POOL = 40  # prepared ports kept ready: a fork(32) takes all its children's from
 CHUNK = 8  # ports prepared at a time (~1.5 ms each, on the event loop)
 REFILL_DELAY = 0.05  # s after a fork: its answer is on its way before the pool is refilled
 MADE_FIRST = 4  # namespaces made ahead for a new family at least (~200 KiB of kernel memory each)
+MADE_AFTER_FORK = 1.0  # s a family must live on after a fork before it gets more made
 RECENT_FORKS = 16  # forks a new family's namespaces are sized by (the largest of them)
 MADE_MAX = 32  # namespaces a family keeps made ahead (its largest fork so far, up to this)
 LINK_GRACE = 5.0  # s a closed body's link may take to go with its namespace, then deleted
@@ -300,58 +302,62 @@ class SandboxNetwork:
         self._bind(body_key, made.port)
         return made.netns
 
-    def new_family(self, family: tuple[int, int], launcher_pid: int) -> None:
+    def new_family(self, family: Family) -> None:
         """A family starts: namespaces for its first fork, as many as the daemon's recent
         forks had children (MADE_FIRST at least)."""
-        self._want(family, launcher_pid, max([MADE_FIRST, *self._recent_forks]))
+        self._want(family, max([MADE_FIRST, *self._recent_forks]), REFILL_DELAY)
 
-    def forked(self, family: tuple[int, int], launcher_pid: int, n: int) -> None:
+    def forked(self, family: Family, n: int) -> None:
         """After a fork of ``n``: the family keeps that many ready, and new families learn
-        what forks here look like."""
+        what forks here look like. Made only once the family has lived on for
+        MADE_AFTER_FORK: many families merge and close right after their one fork, and
+        namespaces nobody joins cost twice (made, then torn down)."""
         self._recent_forks.append(n)
-        self._want(family, launcher_pid, n)
+        self._want(family, n, MADE_AFTER_FORK)
 
-    def _want(self, family: tuple[int, int], launcher_pid: int, n: int) -> None:
+    def _want(self, family: Family, n: int, delay: float) -> None:
         """Keep ``n`` namespaces ready for the family's next fork (its largest so far, at
-        most MADE_MAX), made in the background once the caller's answer is out."""
-        want = max(self._made_want.get(family, 0), min(n, MADE_MAX))
-        self._made_want[family] = want
-        if family not in self._making and len(self.made.get(family, ())) < want:
-            task = asyncio.get_running_loop().create_task(self._make(family, launcher_pid))
-            self._making[family] = task
-            task.add_done_callback(lambda _: self._making.pop(family, None))
+        most MADE_MAX), made in the background after ``delay`` seconds."""
+        ident = family.ident
+        want = max(self._made_want.get(ident, 0), min(n, MADE_MAX))
+        self._made_want[ident] = want
+        if ident not in self._making and len(self.made.get(ident, ())) < want:
+            task = asyncio.get_running_loop().create_task(self._make(family, delay))
+            self._making[ident] = task
+            task.add_done_callback(lambda _: self._making.pop(ident, None))
 
-    async def _make(self, family: tuple[int, int], launcher_pid: int) -> None:
-        await asyncio.sleep(REFILL_DELAY)
-        try:
-            userns = procfs.user_namespace(launcher_pid, family[1])
-        except OSError:  # the family is gone (a fork's wish may come after drop_made)
-            self._made_want.pop(family, None)
-            return
-        try:
-            while family in self._made_want and \
-                    len(self.made.setdefault(family, [])) < self._made_want[family]:
-                ports = self._prepare(min(CHUNK, self._made_want[family]
-                                          - len(self.made[family])))
-                for port in ports:
-                    port.plugged = True  # or about to be: freed once no link has its name
-                try:
-                    fds = await self.net.make(
-                        userns, [(p.name, p.mac, p.address, p.wire) for p in ports])
-                except BaseException as exc:
-                    for port in ports:
-                        self._let_go(port)
-                    if isinstance(exc, NetworkError):
-                        log.warning("network: making namespaces ahead failed: %s", exc)
-                        return
-                    raise
-                made = [Made(p, fd) for p, fd in zip(ports, fds, strict=True)]
-                if family in self._made_want:
-                    self.made[family] += made
-                else:  # the family went while they were made
-                    self._drop(made)
-        finally:
-            os.close(userns)
+    async def _make(self, family: Family, delay: float) -> None:
+        """Namespaces from the family's launcher, plugged and addressed by the maker
+        helper, a chunk at a time, until the family has as many as it wants."""
+        await asyncio.sleep(delay)
+        ident = family.ident
+        while ident in self._made_want and \
+                len(self.made.setdefault(ident, [])) < self._made_want[ident]:
+            try:
+                fds = await family.make_namespaces(
+                    min(CHUNK, self._made_want[ident] - len(self.made[ident])))
+            except OSError:  # the family is gone (a fork's wish may come after drop_made)
+                self._made_want.pop(ident, None)
+                return
+            if not fds:
+                return
+            ports = self._prepare(len(fds))
+            for port in ports:
+                port.plugged = True  # or about to be: freed once no link has its name
+            made = [Made(p, fd) for p, fd in zip(ports, fds, strict=True)]
+            try:
+                await self.net.plug_each(
+                    fds, [(p.name, p.mac, p.address, p.wire) for p in ports])
+            except BaseException as exc:
+                self._drop(made)
+                if isinstance(exc, NetworkError):
+                    log.warning("network: plugging namespaces made ahead failed: %s", exc)
+                    return
+                raise
+            if ident in self._made_want:
+                self.made[ident] += made
+            else:  # the family went while they were plugged
+                self._drop(made)
 
     def drop_made(self, family: tuple[int, int]) -> None:
         """The family is gone: its namespaces made ahead go (their links with them)."""

@@ -329,8 +329,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
                 "workspace": str(host) if host else None, "network": policy}
         sb = await self._take_warm(image)
         if sb is not None:  # a warm sandbox: give it this request's settings
-            launcher = sb.family.family
-            self.net.new_family(launcher.ident, launcher.pid)  # as forks look now
+            self.net.new_family(sb.family.family)  # as forks look now
             if memory_mb is not None:
                 sb.body.cgroup.apply(self._limits(memory_mb))
             sb.record.meta, sb.record.created = meta, time.time()
@@ -438,8 +437,8 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
             await family.kill()
             raise
         record = SandboxRecord(id=sid, family=sid, instance=key, image=image, meta=meta)
-        self.net.new_family(family.ident, family.pid)  # namespaces for its first fork
-        return Live(record, body, FamilyHandle(family, {sid}, joins_netns=True))
+        self.net.new_family(family)  # namespaces for its first fork
+        return Live(record, body, FamilyHandle(family, {sid}))
 
     def _family_gone(self, family: Family, ids: IdRange) -> None:
         """A family's launcher is gone: nothing of it runs in its id range any more, and

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from branchbox.agent import huge_heap
@@ -38,6 +38,8 @@ _BOOT = (
 
 KILL_WAIT = 5.0
 """Seconds a launcher has to end its family on SIGTERM before it is SIGKILLed."""
+MAKE_TIMEOUT = 10.0
+"""Seconds a launcher has to answer a request for network namespaces."""
 log = logging.getLogger("branchbox.runtime")
 
 
@@ -61,10 +63,30 @@ class Family:
     pidfd: int
     started: int  # the launcher's start time: (pid, started) names it in records
     on_exit: Callable[[], None] | None = None
+    # The launcher makes network namespaces of the family through it (family_init); a
+    # family re-attached after a restart has none (its launcher may predate it).
+    netns_maker: socket.socket | None = None
+    _making: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def ident(self) -> tuple[int, int]:
         return self.pid, self.started
+
+    async def make_namespaces(self, n: int) -> list[int]:
+        """``n`` network namespaces owned by the family's user namespace (fds; fewer if
+        the launcher could not make them all). OSError if it cannot be asked."""
+        if self.netns_maker is None:
+            raise OSError("this family's launcher makes no namespaces")
+        async with self._making:
+            return await asyncio.to_thread(self._ask, self.netns_maker, n)
+
+    @staticmethod
+    def _ask(conn: socket.socket, n: int) -> list[int]:
+        conn.send(b"%d" % n)
+        data, fds, _, _ = socket.recv_fds(conn, 16, n)
+        if not data:
+            raise OSError("the launcher is gone")
+        return fds
 
     @classmethod
     def adopt(cls, pid: int, started: int) -> Family | None:
@@ -97,6 +119,9 @@ class Family:
                             KILL_WAIT, signo)
         os.close(self.pidfd)
         self.pidfd = -1
+        if self.netns_maker is not None:
+            self.netns_maker.close()
+            self.netns_maker = None
         done, self.on_exit = self.on_exit, None
         if done is not None:
             done()
@@ -261,17 +286,20 @@ async def spawn_family(
     outlives a daemon killed from then on, so that is when it must be recorded.
     """
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    maker, launcher_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    maker.settimeout(MAKE_TIMEOUT)
     status_r, status_w = os.pipe()
     go_r, go_w = os.pipe()
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    child_fds = [tree_fd, theirs.fileno(), status_w, go_r, log, *repl_cgroup_fds,
-                 *cmds_cgroup_fds, *(fd for fd, _ in mounts)]
+    child_fds = [tree_fd, theirs.fileno(), status_w, go_r, log, launcher_end.fileno(),
+                 *repl_cgroup_fds, *cmds_cgroup_fds, *(fd for fd, _ in mounts)]
     spec = {
         "tree_fd": tree_fd,
         "ctrl_fd": theirs.fileno(),
         "status_w": status_w,
         "go_r": go_r,
         "log_fd": log,
+        "netns_fd": launcher_end.fileno(),
         "repl_cgroup_fds": repl_cgroup_fds,
         "cmds_cgroup_fds": cmds_cgroup_fds,
         "mounts": list(mounts),
@@ -287,15 +315,17 @@ async def spawn_family(
         for fd in (status_r, go_w):
             os.close(fd)
         ours.close()
+        maker.close()
         raise
     finally:
         for fd in child_fds:
             os.close(fd)
         theirs.detach()
+        launcher_end.detach()
     try:
-        family = Family(pid, pidfd, start_time(pid))
+        family = Family(pid, pidfd, start_time(pid), netns_maker=maker)
     except (OSError, ValueError, IndexError):  # gone already (the zygote reaped it)
-        family = Family(pid, pidfd, 0)
+        family = Family(pid, pidfd, 0, netns_maker=maker)
     if started is not None:
         started(family)
     channel = ping = None

@@ -26,9 +26,11 @@ Process tree a family leaves behind (host view)::
 Step by step: unshare the PID namespace P while still host root, so that P
 belongs to the host's user namespace; unshare the user namespace; wait until
 the daemon has written the uid/gid maps; take uid/gid 0 of the namespace
-(only then do the capabilities apply to it); fork P's init; that init forks
-the REPL, which enters its sandbox (``agent.entry``) and execs the image's
-python3 on the agent.
+(only then do the capabilities apply to it); unshare a network namespace of
+its own; fork P's init; that init forks the REPL, which enters its sandbox
+(``agent.entry``) and execs the image's python3 on the agent. The launcher
+then makes network namespaces owned by the family's user namespace on the
+daemon's request, for fork children to join, until the family's init ends.
 
 Why P belongs to the host: every REPL of a family is a process of P, and
 sandbox root has every capability of the family's user namespace. Were P
@@ -43,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import socket
 import sys
@@ -169,7 +172,7 @@ def _renumbered(spec: dict, fd: dict[int, int]) -> dict:
     return {
         **spec,
         **{name: fd[spec[name]] for name in ("tree_fd", "ctrl_fd", "status_w", "go_r",
-                                              "log_fd")},
+                                              "log_fd", "netns_fd")},
         "repl_cgroup_fds": [fd[n] for n in spec["repl_cgroup_fds"]],
         "cmds_cgroup_fds": [fd[n] for n in spec["cmds_cgroup_fds"]],
         "mounts": [(fd[n], path) for n, path in spec["mounts"]],
@@ -200,12 +203,58 @@ def _launch(spec: dict) -> None:
         os.setresgid(0, 0, 0)
         os.setresuid(0, 0, 0)
         os.setgroups([])
+        sysc.unshare(sysc.CLONE_NEWNET)  # home: where it returns after making one
+        home = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         init_pid = init[0] = os.fork()
     except BaseException as exc:  # noqa: BLE001
         os.write(status_w, f"family set-up failed: {type(exc).__name__}: {exc}".encode())
         os._exit(1)
     if init_pid == 0:
+        os.close(home)
+        os.close(spec["netns_fd"])
         _family_init(spec, status_w)
-    os.closerange(3, 65536)
-    _, status = os.waitpid(init_pid, 0)
+    entry.close_fds_except({spec["netns_fd"], home})
+    _make_namespaces_until(init_pid, socket.socket(fileno=spec["netns_fd"]), home)
     os._exit(0)
+
+
+NAMESPACES_MAX = 64  # made per request (the kernel passes 253 fds in one message)
+
+
+def _make_namespaces_until(init_pid: int, conn: socket.socket, home: int) -> None:
+    """Until the family's init ends: make network namespaces on the daemon's request.
+
+    Made here, they belong to the family's user namespace, so a fork child (root there)
+    may join one; the daemon plugs and addresses them ahead of its forks
+    (engine.networking). A request is a count; the answer, as many namespaces (fds)
+    as could be made. The launcher goes back to its own namespace after each."""
+    pidfd = os.pidfd_open(init_pid)
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    poller.register(conn, select.POLLIN)
+    while True:
+        for fd, _ in poller.poll():
+            if fd == pidfd:
+                os.waitpid(init_pid, 0)
+                return
+            try:
+                count = min(int(conn.recv(16) or b"-1"), NAMESPACES_MAX)
+            except (OSError, ValueError):
+                count = -1
+            if count < 0:  # the daemon hung up (or a daemon restarted: the next has none)
+                poller.unregister(conn)
+                conn.close()
+                continue
+            made: list[int] = []
+            try:
+                for _ in range(count):
+                    sysc.unshare(sysc.CLONE_NEWNET)
+                    made.append(os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC))
+            except OSError:
+                pass  # fewer: the daemon plugs what it got
+            finally:
+                sysc.setns(home, sysc.CLONE_NEWNET)
+            with contextlib.suppress(OSError):
+                socket.send_fds(conn, [b"%d" % len(made)], made)
+            for fd in made:
+                os.close(fd)

@@ -20,12 +20,11 @@ Why a veth is *created* into the child's namespace (the peer made there with
 between namespaces waits for RCU grace periods (16-40 ms a move on this
 2-vCPU host), creating one across namespaces does not (~1 ms).
 
-Namespaces made ahead (``op_made``): a fork child joins a namespace that is
-already plugged and addressed instead of making its own, so its network costs
-the fork nothing. A fork child may join only a namespace owned by its family's
-user namespace (where it has CAP_SYS_ADMIN), so a short-lived process forked
-from here enters that user namespace and makes them (a process cannot leave a
-user namespace, the helper must stay in the host's).
+Namespaces made ahead (``op_plug_each``): a fork child joins a namespace that
+is already plugged and addressed instead of making its own, so its network
+costs the fork nothing. A fork child may join only a namespace owned by its
+family's user namespace, so the family's launcher makes them
+(``family_init``) and this helper plugs them like any other.
 """
 
 from __future__ import annotations
@@ -39,12 +38,10 @@ import struct
 import sys
 import time
 
-from branchbox.agent.entry import close_fds_except
 from branchbox.runtime import netlink_msgs as msgs
 
 CLONE_NEWNET = 0x40000000
-CLONE_NEWUSER = 0x10000000
-MADE_MAX = 64  # namespaces one op_made makes (the kernel passes 253 fds in a message)
+FDS_MAX = 64  # namespaces one request may carry (op_plug_each)
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -86,43 +83,6 @@ def _setns(fd: int, nstype: int = CLONE_NEWNET) -> None:
     if _libc.setns(fd, nstype) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
-
-
-def _make_namespaces(userns: int, n: int) -> list[int]:
-    """``n`` new network namespaces owned by the user namespace ``userns`` (fds), made by
-    a child that enters it and goes; the helper stays where it is."""
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    pid = os.fork()
-    if pid == 0:  # single-threaded (a fork of this one): setns into a user namespace works
-        status = 1
-        try:
-            close_fds_except({theirs.fileno(), userns})  # nothing of the host's goes in
-            _setns(userns, CLONE_NEWUSER)
-            for _ in range(n):
-                if _libc.unshare(CLONE_NEWNET) != 0:
-                    raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET)")
-                fd = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-                socket.send_fds(theirs, [b"n"], [fd])
-                os.close(fd)
-            status = 0
-        finally:
-            os._exit(status)
-    theirs.close()
-    made: list[int] = []
-    try:
-        while len(made) < n:
-            data, fds, _, _ = socket.recv_fds(ours, 1, 1)
-            if not data:
-                break
-            made += fds
-    finally:
-        ours.close()
-        os.waitpid(pid, 0)
-    if len(made) < n:
-        for fd in made:
-            os.close(fd)
-        raise OSError(0, "the namespace maker could not enter the family's user namespace")
-    return made
 
 
 class Helper:
@@ -204,24 +164,16 @@ class Helper:
             _setns(self.host_ns)
         return [t1, t2, t3, t4, t5, time.perf_counter_ns()]
 
-    def op_made(self, req: dict, fds: list[int]) -> dict:
-        """Network namespaces made ahead for a family, one per port of ``req["ports"]``
-        (each a plug request as op_plug's), plugged, addressed and up; ``fds[0]`` is the
-        family's user namespace, their owner. The reply carries them (``fds``)."""
-        ports = req["ports"][:MADE_MAX]
-        made = _make_namespaces(fds[0], len(ports))
-        try:
-            for netns, port in zip(made, ports, strict=True):
-                os.dup2(netns, msgs.NETNS_SLOT, inheritable=False)
-                try:
-                    self._plug(port, netns)
-                finally:
-                    os.dup2(self.host_ns, msgs.NETNS_SLOT, inheritable=False)
-        except BaseException:
-            for fd in made:
-                os.close(fd)
-            raise
-        return {"fds": made}
+    def op_plug_each(self, req: dict, fds: list[int]) -> dict:
+        """op_plug for each namespace of ``fds`` with the port of ``req["ports"]`` at the
+        same place: namespaces a family's launcher made ahead (engine.networking)."""
+        for netns, port in zip(fds, req["ports"], strict=True):
+            os.dup2(netns, msgs.NETNS_SLOT, inheritable=False)
+            try:
+                self._plug(port, netns)
+            finally:
+                os.dup2(self.host_ns, msgs.NETNS_SLOT, inheritable=False)
+        return {}
 
     def op_readdr(self, req: dict, fds: list[int]) -> dict:
         """Inside ``fds[0]``: ``eth0`` drops ``old`` and takes ``new`` (a merged winner
@@ -256,7 +208,7 @@ def main() -> None:
     idle_since = 0  # perf_counter_ns (CLOCK_MONOTONIC, the daemon's clock too)
     while True:
         try:
-            data, fds, _, _ = socket.recv_fds(sock, 65536, 4)
+            data, fds, _, _ = socket.recv_fds(sock, 65536, FDS_MAX)
         except OSError:
             return
         if not data:
@@ -276,13 +228,7 @@ def main() -> None:
         # it queued behind others, and when the answer left.
         reply["arrival"] = received - max(req.get("sent", received), idle_since)
         reply["replied"] = time.perf_counter_ns()
-        passed = reply.pop("fds", [])
-        try:
-            socket.send_fds(sock, [json.dumps({"id": req.get("id"), **reply}).encode()],
-                            passed)
-        finally:
-            for fd in passed:
-                os.close(fd)
+        sock.send(json.dumps({"id": req.get("id"), **reply}).encode())
         idle_since = time.perf_counter_ns()
 
 

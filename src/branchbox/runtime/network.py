@@ -88,7 +88,6 @@ def host_resolvers(path: Path = Path("/etc/resolv.conf")) -> list[str]:
     return found
 
 
-_SCM_MAX_FD = 253  # fds the kernel passes in one message
 HELPER_TIMEOUT = 60.0
 """Seconds a netlink request may take (most take milliseconds; a sweep of a thousand
 links, seconds) before the helper is taken for hung and replaced."""
@@ -130,24 +129,20 @@ class Helper:
     def _readable(self) -> None:
         while True:
             try:
-                data, fds, _, _ = socket.recv_fds(self.sock, 65536, _SCM_MAX_FD)
+                data = self.sock.recv(65536)
             except BlockingIOError:
                 return
             except OSError:
-                data, fds = b"", []
+                data = b""
             if not data:  # the helper died: fail everything waiting
                 self.loop.remove_reader(self.sock.fileno())
                 self._fail_waiting()
                 return
             reply = json.loads(data)
             reply["received"] = time.perf_counter_ns()
-            reply["fds"] = fds
             fut = self.waiting.pop(reply.get("id"), None)
             if fut is not None and not fut.done():
                 fut.set_result(reply)
-            else:  # its caller gave up (timed out): nobody else will close them
-                for fd in fds:
-                    os.close(fd)
 
     async def call(self, op: str, fds: list[int] = (), **args) -> dict:
         """The helper's reply to ``op``; ``arrival`` and ``replied`` in it, and the
@@ -182,8 +177,6 @@ class Helper:
             raise NetworkError(f"the netlink helper did not answer {op} within "
                                f"{HELPER_TIMEOUT:g} s") from None
         if not reply.get("ok"):
-            for fd in reply["fds"]:
-                os.close(fd)
             raise NetworkError(reply.get("error") or f"{op} failed")
         return reply
 
@@ -216,7 +209,7 @@ class Network:
         self.gateway = ""
         self.bridge_index = 0
         self.helper: Helper | None = None
-        self.maker: Helper | None = None  # makes namespaces ahead: never in a fork's way
+        self.maker: Helper | None = None  # plugs namespaces made ahead: never in a fork's way
         self.firewall: Firewall | None = None
         self.resolvers = host_resolvers()
 
@@ -281,16 +274,15 @@ class Network:
         finally:
             os.close(netns_fd)
 
-    async def make(self, userns_fd: int, ports: list[tuple[str, str, str, msgs.PlugMessages]]
-                   ) -> list[int]:
-        """A network namespace per port (name, MAC, address, its plug_messages), owned by
-        the user namespace ``userns_fd`` (not consumed), plugged and addressed: fds."""
-        reply = await self.maker.call("made", [userns_fd], ports=[
+    async def plug_each(self, netns_fds: list[int],
+                        ports: list[tuple[str, str, str, msgs.PlugMessages]]) -> None:
+        """Plug each port (name, MAC, address, its plug_messages) into the namespace at the
+        same place of ``netns_fds`` (not consumed), through the maker helper."""
+        await self.maker.call("plug_each", netns_fds, ports=[
             {"port": name, "mac": mac, "address": address, "prefix": self.subnet.prefixlen,
              "gateway": self.gateway, "bridge": self.bridge_index,
              "veth": wire.veth.data.hex(), "inside": wire.inside.data.hex(),
              "ok": wire.inside.ok} for name, mac, address, wire in ports])
-        return reply["fds"]
 
     async def readdress(self, netns_fd: int, old: str, new: str) -> None:
         try:

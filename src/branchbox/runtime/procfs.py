@@ -97,19 +97,6 @@ def _swapping() -> bool:
         return len(f.read().splitlines()) > 1
 
 
-def user_namespace(pid: int, started: int) -> int:
-    """An fd of the user namespace of process ``pid``, which started at ``started`` (a
-    family's launcher): OSError if that process is gone, even if its pid is reused."""
-    fd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
-    try:  # checked after the open: the fd is that process's namespace if it still runs
-        if start_time(pid) != started:
-            raise ProcessLookupError(pid, "the process is gone")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 def _stat_fields(pid: int) -> list[str]:
     """Fields 3.. of ``/proc/PID/stat`` (after the name, which may hold spaces): index
     ``n - 3`` is field ``n`` of proc(5)."""
