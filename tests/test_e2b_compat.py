@@ -562,3 +562,36 @@ def _body(body: object, headers: dict[str, str] | None = None) -> dict:
     if isinstance(body, str):
         return {"content": body, "headers": {**headers, "Content-Type": "application/json"}}
     return {"json": body, "headers": headers}
+
+
+_FORGED_EVENTS = """
+import gc
+from bbagent.server import Agent
+agent = next(a for a in gc.get_objects() if isinstance(a, Agent))
+forged = [1, {"name": 5, "type": "create"}, {"name": "x", "type": "bogus"},
+          {"name": "kept", "type": "create"}]
+agent.register("watch_events", lambda a, req, payload, fds: a.done(req["rid"],
+                                                                     {"events": forged}))
+"""
+
+
+def test_watch_events_an_agent_forges_are_left_out(daemon: ServedDaemon) -> None:
+    """Watch events come from the sandbox's agent, which user code can replace: what is
+    not an event of a known type is left out, never a server error."""
+    from branchbox import Sandbox
+
+    key = {"X-API-Key": API_KEY}
+    with httpx.Client(base_url=daemon.url, timeout=120, headers=key) as http:
+        sandbox_id = http.post("/v2/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+        plane = {**key, "E2b-Sandbox-Id": sandbox_id}
+        sb = Sandbox.connect(sandbox_id, url=daemon.url, api_key=API_KEY)
+        try:  # closing sb closes the sandbox (and the SDK's connections)
+            watcher = http.post("/filesystem.Filesystem/CreateWatcher",
+                                json={"path": "/tmp"}, headers=plane).json()["watcherId"]
+            assert sb.run_code(_FORGED_EVENTS).error is None
+            got = http.post("/filesystem.Filesystem/GetWatcherEvents",
+                            json={"watcherId": watcher}, headers=plane)
+            assert got.status_code == 200, got.text
+            assert got.json()["events"] == [{"name": "kept", "type": "EVENT_TYPE_CREATE"}]
+        finally:
+            sb.close()

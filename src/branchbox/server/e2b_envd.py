@@ -299,8 +299,15 @@ def _watch_args(message: dict) -> dict:
 
 
 async def _watch_events(engine: Engine, sandbox_id: str, watch_id: str) -> list[dict]:
+    """The watch's events as E2B names them. They come from the sandbox's agent, which
+    user code can replace: what is not an event of a known type is left out."""
     taken = await engine.call(sandbox_id, "watch_events", {"id": watch_id})
-    return [{"name": e["name"], "type": _EVENT_TYPES[e["type"]]} for e in taken["events"]]
+    events = taken.get("events") if isinstance(taken, dict) else None
+    if not isinstance(events, list):
+        return []
+    return [{"name": e["name"], "type": _EVENT_TYPES[e["type"]]} for e in events
+            if isinstance(e, dict) and isinstance(e.get("name"), str)
+            and e.get("type") in _EVENT_TYPES]
 
 
 @_unary("/filesystem.Filesystem/CreateWatcher")
