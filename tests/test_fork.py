@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from waiting import eventually
 
 from branchbox import InvalidRequest, Sandbox, SandboxNotFound, StaleBranchError
-from branchbox.engine import branching
+from branchbox.engine import branching, ready_cgroups
 from branchbox.runtime import cgroups
 from branchbox.sdk._portal import portal
 
@@ -144,8 +145,18 @@ def test_n_is_validated_and_nothing_is_created(sandbox, harness) -> None:
     assert len(harness.engine.live) == before
 
 
+def _no_cgroups_ready(harness) -> None:
+    """Remove the cgroups made ahead: a fork then makes each child's on its path."""
+    ready = harness.engine.ready_cgroups
+    assert eventually(lambda: ready._making is None, within=10)
+    for cgroup in [cg for batch in ready.ready.values() for cg in batch]:
+        cgroup.remove()
+    ready.ready.clear()
+
+
 def test_failed_child_creation_cleans_up(sandbox, harness, monkeypatch) -> None:
     portal.run(harness.engine.settle())  # no warm sandbox is being started meanwhile
+    _no_cgroups_ready(harness)
     before = set(harness.engine.live)
     volumes = set(harness.engine.layers.root.iterdir())
     real_create = cgroups.SandboxCgroup.create
@@ -157,13 +168,40 @@ def test_failed_child_creation_cleans_up(sandbox, harness, monkeypatch) -> None:
             raise OSError(28, "No space left on device (injected)")
         return real_create(*args, **kwargs)
 
-    monkeypatch.setattr(branching.SandboxCgroup, "create", flaky)
+    monkeypatch.setattr(ready_cgroups.SandboxCgroup, "create", flaky)
     with pytest.raises(Exception, match="injected"):
         sandbox.fork(4)
     monkeypatch.undo()
     assert set(harness.engine.live) == before
     assert set(harness.engine.layers.root.iterdir()) == volumes
     assert sandbox.run_code("'parent fine'").text == "'parent fine'"
+
+
+def test_children_take_cgroups_made_ahead(sandbox, harness) -> None:
+    """After a fork, as many cgroups as it had children are made for its limits; the next
+    fork's children take them (a cgroup's name is its body's key), limited as the parent."""
+    ready = harness.engine.ready_cgroups
+    for child in sandbox.fork(3):
+        child.close()
+    assert eventually(lambda: sum(map(len, ready.ready.values())) >= 3, within=10)
+    made = {cg.name for batch in ready.ready.values() for cg in batch}
+    parent = harness.engine.get(sandbox.id).body.cgroup
+    children = sandbox.fork(3)
+    try:
+        bodies = [harness.engine.get(c.id).body for c in children]
+        assert {body.key for body in bodies} <= made
+        for child, body in zip(children, bodies, strict=True):
+            assert body.cgroup.name == body.key
+            assert _memory_limit(body.cgroup) == _memory_limit(parent)
+            assert child.run_code("2 + 2").text == "4"
+    finally:
+        for child in children:
+            child.close()
+
+
+def _memory_limit(cgroup: cgroups.SandboxCgroup) -> str:
+    name = "memory.max" if cgroup.version == 2 else "memory.limit_in_bytes"
+    return cgroup._file("memory", name).read_text()
 
 
 def test_fork_waits_for_a_busy_repl_or_says_409(sandbox, harness) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import secrets
 import signal
 import socket
 import time
@@ -27,7 +26,7 @@ from branchbox.engine.live import Body, Live, new_id
 from branchbox.engine.records import SandboxRecord
 from branchbox.engine.stopped import describe
 from branchbox.runtime import procfs
-from branchbox.runtime.cgroups import FreezeFailed, Limits, SandboxCgroup
+from branchbox.runtime.cgroups import FreezeFailed, Limits
 from branchbox.runtime.channel import AgentChannel, AgentError
 from branchbox.runtime.fd_keeper import SIGNAL_LISTENER
 from branchbox.storage import layerdiff
@@ -203,6 +202,7 @@ class Branching:
             if thaw_cmds:
                 pbody.cgroup.freeze("cmds", frozen=False)
         self.net.refill_soon()  # leases for the next fork, after this one's answer
+        self.ready_cgroups.want(limits, n)  # and cgroups
         if family is not None:  # and namespaces for the family's next one
             self.net.forked(family, n)
         return made
@@ -254,15 +254,16 @@ class Branching:
 
     def _prepare_child(self, lowers: list[FrozenLayer], parent: LayerStack,
                        limits: Limits) -> tuple[str, Body]:
-        """A child's id, writable volume and cgroup; its channel is created at hand-over."""
-        sid, key = new_id(), secrets.token_hex(8)
+        """A child's id, writable volume and cgroup (made ahead if one is ready: its name is
+        the body's key); its channel is created at hand-over."""
+        sid = new_id()
         stack = self.layers.new_stack(lowers, parent.base, parent.workspace, ids=parent.ids)
         try:
-            cgroup = SandboxCgroup.create(self.config.cgroup_group, key, limits)
+            cgroup = self.ready_cgroups.take(limits)
         except BaseException:
             self.layers.release(stack)
             raise
-        return sid, Body(key, stack, cgroup)
+        return sid, Body(cgroup.name, stack, cgroup)
 
     async def _take_signal_listener(self, body: Body, hello: dict) -> None:
         """A child past Landlock's depth added a signal filter (see runtime.signal_guard):

@@ -35,6 +35,7 @@ from branchbox.engine.layers import (
 from branchbox.engine.live import Body, FamilyHandle, Live, new_id
 from branchbox.engine.networking import SandboxNetwork
 from branchbox.engine.pausing import Pausing, refuse_paused
+from branchbox.engine.ready_cgroups import ReadyCgroups
 from branchbox.engine.reattach import Reattach
 from branchbox.engine.records import Records, SandboxRecord
 from branchbox.engine.repl_end import repl_ended
@@ -111,6 +112,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         self.keeper: FdKeeper | None = None  # holds control sockets across restarts
         self.zygote = Zygote(self.config.data_dir / "logs" / "zygote.log")  # forks launchers
         self.signal_guard = SignalGuard()
+        self.ready_cgroups = ReadyCgroups(self.config.cgroup_group)  # for fork children
         self.events = EventBus(self.config.events_kept)  # GET /v1/events and the /ui page
 
     # ----------------------------------------------------------------- lifecycle
@@ -182,6 +184,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         await self._drop_warm()
         while self._background:  # expiries and teardowns under way
             await asyncio.gather(*list(self._background), return_exceptions=True)
+        await self.ready_cgroups.close()
         if self.config.keep:
             await self._leave_running()
             if self.net is not None:

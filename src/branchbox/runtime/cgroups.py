@@ -62,7 +62,7 @@ def detect_version(root: Path = CGROUP_ROOT) -> int:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class Limits:
     memory_bytes: int
     pids: int
