@@ -12,10 +12,10 @@ Fork children go further: a family keeps network namespaces made ahead
 owns them, plugged and addressed off the fork path by a netlink helper of its
 own), and a child joins one with ``setns`` instead of making its own, so its
 network costs the fork nothing. A new family gets as many as the largest of
-the daemon's last ``RECENT_FORKS`` forks had children, ``MADE_FIRST`` at
-least (best-of-N forks once, soon after create: that first fork is the one
-that counts); after a fork of n children the family keeps n ready (its
-largest fork so far); never more than ``MADE_MAX``. A child that finds none
+the daemon's last ``RECENT_FORKS`` forks had children, from ``MADE_FIRST`` to
+``MADE_NEW_MAX`` (best-of-N forks once, soon after create: that first fork is
+the one that counts); after a fork of n children the family keeps n ready
+(its largest fork so far); never more than ``MADE_MAX``. A child that finds none
 is plugged after its hello, as above. They go with the family. A family
 re-attached after a daemon restart has no launcher to ask (it talks to the
 daemon that started it): its children are plugged after their hello.
@@ -50,6 +50,7 @@ POOL = 40  # prepared ports kept ready: a fork(32) takes all its children's from
 CHUNK = 8  # ports prepared at a time (~1.5 ms each, on the event loop)
 REFILL_DELAY = 0.05  # s after a fork: its answer is on its way before the pool is refilled
 MADE_FIRST = 4  # namespaces made ahead for a new family at least (~200 KiB of kernel memory each)
+MADE_NEW_MAX = 8  # namespaces made ahead for a new family at most
 RECENT_FORKS = 16  # forks a new family's namespaces are sized by (the largest of them)
 MADE_MAX = 32  # namespaces a family keeps made ahead (its largest fork so far, up to this)
 LINK_GRACE = 5.0  # s a closed body's link may take to go with its namespace, then deleted
@@ -303,8 +304,9 @@ class SandboxNetwork:
 
     def new_family(self, family: Family) -> None:
         """A family starts: namespaces for its first fork, as many as the daemon's recent
-        forks had children (MADE_FIRST at least)."""
-        self._want(family, max([MADE_FIRST, *self._recent_forks]))
+        forks had children, from MADE_FIRST to MADE_NEW_MAX (every idle sandbox holds
+        them: a thousand of them hold a thousand times that)."""
+        self._want(family, min(max([MADE_FIRST, *self._recent_forks]), MADE_NEW_MAX))
 
     def forked(self, family: Family, n: int) -> None:
         """After a fork of ``n``: the family keeps that many ready (agents that search fork
