@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from waiting import eventually
 
-from branchbox import InvalidRequest, Sandbox, SandboxNotFound, StaleBranchError
+from branchbox import InvalidRequest, Sandbox, SandboxError, SandboxNotFound, StaleBranchError
 from branchbox.engine import branching, ready_cgroups
 from branchbox.runtime import cgroups
 from branchbox.sdk._portal import portal
@@ -174,6 +174,31 @@ def test_failed_child_creation_cleans_up(sandbox, harness, monkeypatch) -> None:
     monkeypatch.undo()
     assert set(harness.engine.live) == before
     assert set(harness.engine.layers.root.iterdir()) == volumes
+    assert sandbox.run_code("'parent fine'").text == "'parent fine'"
+
+
+def test_a_child_failing_its_set_up_fails_the_fork_and_leaves_nothing(sandbox,
+                                                                       harness) -> None:
+    """One child of three fails to enter its sandbox (its agent's code is the parent's,
+    which user code patched): the fork fails saying why, the other children are stopped
+    and removed with it, and the parent goes on."""
+    portal.run(harness.engine.settle())
+    before = set(harness.engine.live)
+    volumes = set(harness.engine.layers.root.iterdir())
+    # The first child to get here (still in the parent's root) fails, the others go on.
+    sandbox.run_code("import bbagent.entry as e, os\n"
+                     "real = e.enter_sandbox\n"
+                     "def flaky(*a, **k):\n"
+                     "    try:\n"
+                     "        os.close(os.open('/tmp/first-child', os.O_CREAT | os.O_EXCL))\n"
+                     "    except FileExistsError:\n"
+                     "        return real(*a, **k)\n"
+                     "    raise OSError('boom')\n"
+                     "e.enter_sandbox = flaky")
+    with pytest.raises(SandboxError, match="boom"):
+        sandbox.fork(3)
+    assert set(harness.engine.live) == before
+    assert eventually(lambda: set(harness.engine.layers.root.iterdir()) == volumes, within=10)
     assert sandbox.run_code("'parent fine'").text == "'parent fine'"
 
 

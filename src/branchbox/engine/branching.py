@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import os
 import signal
 import socket
@@ -121,6 +122,7 @@ class Branching:
         pending: list = []  # each slot's answer, then each child's hello
         net_steps: list[dict] = []  # per child: its network's steps (ns), networking.attach
         hellos: list = []  # wrapped by _networked: closed too if it never ran
+        running: list[asyncio.Future] = []  # pending, once gathered
         batch_open = False
         try:
             fresh.append(await asyncio.to_thread(self.layers.freeze, pbody.layers,
@@ -153,8 +155,9 @@ class Branching:
             batch_open = False
             forked = await channel.call("fork")
             phase("slots")  # children's volumes and cgroups made, slots sent, REPL forked
+            running = [asyncio.ensure_future(p) for p in pending]
             try:
-                answers = await asyncio.wait_for(asyncio.gather(*pending),
+                answers = await asyncio.wait_for(asyncio.gather(*running),
                                                  self.config.spawn_timeout)
             except TimeoutError:
                 raise errors.EngineError("fork failed: the children did not report within "
@@ -180,8 +183,14 @@ class Branching:
                                      "network_steps": {k: v / 1e9 for k, v in steps.items()},
                                      "phases": phases}
         except BaseException as exc:
+            # The other children's hellos still run when one failed: stopped before their
+            # channels close (or their readers fail unobserved); what never ran is closed.
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
             for coro in [*pending, *hellos]:
-                if asyncio.iscoroutine(coro):
+                if asyncio.iscoroutine(coro) and \
+                        inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
                     coro.close()
             if batch_open:  # let the REPL leave its fork batch (if it answers at all)
                 with contextlib.suppress(AgentError, ChannelClosed, OSError, TimeoutError):
