@@ -325,8 +325,9 @@ def _child_warning(threads: str | None, relistened: list[str], closed: list[int]
     """The child's first-execution warning: threads lost, sockets re-created or gone,
     shared memory made its own."""
     parts = [threads] if threads else []
-    if shared:
-        parts.append(f"{len(shared)} shared memory mappings (mmap of files, multiprocessing "
+    writable = [m for m in shared if m.writable]  # read-only ones (glibc's caches): silent
+    if writable:
+        parts.append(f"{len(writable)} shared memory mappings (mmap of files, multiprocessing "
                      "and shared_memory blocks) are this fork child's own copies: writes no "
                      "longer reach the parent or siblings")
     if zeroed:

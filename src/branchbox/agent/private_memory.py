@@ -50,6 +50,12 @@ class Shared:
     def length(self) -> int:
         return self.end - self.start
 
+    @property
+    def writable(self) -> bool:
+        """Writes through it could reach another branch (a read-only one of a file, such as
+        glibc's gconv cache, is still mapped again: the parent may write to the file)."""
+        return bool(self.prot & sysc.PROT_WRITE) or not self.path.startswith("/")
+
 
 def plan(entries: list) -> list[Shared]:
     """The daemon's ``[start, end, perms, offset, path]`` entries, checked: page-aligned,
