@@ -98,6 +98,16 @@ def test_children_outlive_their_parent(harness) -> None:
     close_all(kids, grandkids)
 
 
+def test_a_plain_fork_warns_of_nothing(sandbox) -> None:
+    """Nothing of the user's was lost (no thread, socket or shared memory): the agent's own
+    fds and glibc's read-only caches are not the user's to be warned about."""
+    (child,) = sandbox.fork(1)
+    try:
+        assert child.run_code("1").warnings == []
+    finally:
+        child.close()
+
+
 def test_threads_at_fork_time_are_reported(sandbox) -> None:
     sandbox.run_code("import threading, time\n"
                      "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()")

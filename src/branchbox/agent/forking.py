@@ -156,7 +156,7 @@ def handle_fork_slot(agent, req: dict, payload: bytes, fds: list[int]) -> None:
 
 def _open_batch(agent, slot: _Slot, inherit: dict) -> _Batch:
     started = time.perf_counter()
-    skip = {agent.sock.fileno(), *_inherited(), *slot.fds()}
+    skip = {*agent.own_fds(), *_inherited(), *slot.fds()}
     reopen, close = plan_fds(inherit.get("fds") or [], skip)
     threads = int(inherit.get("threads") or 1)
     shared = private_memory.plan(inherit.get("shared") or [])

@@ -163,6 +163,11 @@ class Agent:
         selector.register(self.sock, selectors.EVENT_READ, self._on_request)
         return selector
 
+    def own_fds(self) -> set[int]:
+        """The agent's own fds (its socket, its selector): a fork child replaces them with
+        its own, they are not the user's to be told about."""
+        return {self.sock.fileno(), self._selector.fileno()}
+
     # -- what handlers and op modules use -------------------------------------------------
 
     def register(self, op: str, handler: Handler) -> None:
