@@ -251,3 +251,21 @@ def test_shared_memory_stays_shared_with_a_branch_own_processes(make) -> None:
     )
     assert child.run_code(code).text == "(41, b'grand')"
     assert parent.run_code("(counter.value, am[:6])").text == "(7, b'parent')"
+
+
+_REMOUNT_FROM_A_COMMAND = (
+    "import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); "
+    "r = libc.mount(None, b'/', None, ctypes.c_ulong(0x20 | 0x1000), None); "
+    "print(ctypes.get_errno() if r else 0)")
+
+
+def test_commands_run_under_the_filter_in_every_sandbox(make) -> None:
+    """What a command runs under is what bb-init runs under: in a family's first sandbox
+    too (its bb-init was once started before the filter, and its commands had none)."""
+    parent = make()
+    (child,) = parent.fork(n=1)
+    for name, sb in (("first sandbox", parent), ("fork child", child)):
+        status = sb.exec("grep -E '^(Seccomp|NoNewPrivs):' /proc/self/status").stdout.split()
+        assert status == ["NoNewPrivs:", "1", "Seccomp:", "2"], f"{name}: {status}"
+        refused = sb.exec(["python3", "-c", _REMOUNT_FROM_A_COMMAND]).stdout.strip()
+        assert refused == "1", f"{name}: a command remounted / (errno {refused})"

@@ -1,8 +1,9 @@
 """The seccomp filter and no_new_privs every sandbox process runs under.
 
-Installed once, by a family's first REPL right before it execs the image's
-python3; fork children and commands inherit it (filters survive fork and
-exec), so it is never stacked twice. It is a deny-list: sandbox root must
+Installed once, by a family's first REPL before it enters its sandbox (so
+before it spawns bb-init, which starts every command); fork children, bb-init
+and commands inherit it (filters survive fork and exec), so it is never
+stacked twice. It is a deny-list: sandbox root must
 keep what a root shell inside a container can do (mount inside its own
 namespaces, unshare — the REPL itself needs those to set up fork children),
 and loses what only reaches the kernel or other processes' memory: ptrace

@@ -62,6 +62,10 @@ def _first_repl(spec: dict, status_w: int) -> None:
     try:
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # the agent installs its own
         os.setsid()  # its own session and group: a kill(0) in a branch reaches that branch
+        # Before the entry: bb-init, which it spawns, starts every command of this sandbox,
+        # and what bb-init runs under, they run under. (Installed after the entry, it left
+        # the first sandbox's commands without a filter and without no_new_privs.)
+        confine.confine()  # inherited by every fork child and command from here on
         mounts = [(fd, path) for fd, path in spec["mounts"]]
         spawner = entry.enter_sandbox(
             spec["tree_fd"], spec["attach"], spec["hostname"], spec["repl_cgroup_fds"],
@@ -79,7 +83,6 @@ def _first_repl(spec: dict, status_w: int) -> None:
         for fd in keep:
             os.set_inheritable(fd, True)
         entry.close_fds_except(keep)
-        confine.confine()  # inherited by every fork child and command from here on
         code = AGENT_BOOT.format(ctrl=spec["ctrl_fd"], spawner=spawner)
         # argv[0] is the full path: Python finds its venv (the image's /opt/venv) from it,
         # not from a PATH the sandbox's env may have replaced.
