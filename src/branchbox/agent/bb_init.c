@@ -26,9 +26,11 @@
  * 5. serves SPAWN_FD (SOCK_SEQPACKET): each message carries four fds —
  *    stdin, stdout, stderr, and a memfd holding "cwd\0argv...\0\0env...\0" —
  *    and is answered with "pid errno step" once the command has exec'd (pid
- *    > 0) or failed (step 1: chdir, 2: exec). Commands are cloned with
- *    CLONE_PARENT, so they are the REPL's children (it waits for them) and,
- *    being born here, live in Q. The REPL's user code can send requests too:
+ *    > 0) or failed (step 1: chdir, 2: exec), with a pidfd of the command
+ *    (SCM_RIGHTS) when it runs. Commands are cloned with CLONE_PARENT, so
+ *    they are the REPL's children (it waits for them, through that pidfd:
+ *    pidfd_open is refused in every sandbox, see confine.py) and, being born
+ *    here, live in Q. The REPL's user code can send requests too:
  *    they start processes in the same sandbox, nothing more, and a malformed
  *    one is refused.
  */
@@ -46,6 +48,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -150,10 +153,27 @@ static void child(int fds[4], int err_w, char *cwd, char **argv, char **envp) {
     _exit(127);
 }
 
-static void answer(int sock, long pid, int err, int step) {
+static void answer(int sock, long pid, int err, int step, int pidfd) {
     char line[64];
     int n = snprintf(line, sizeof line, "%ld %d %d", pid, err, step);
-    send(sock, line, n, MSG_NOSIGNAL);
+    struct iovec iov = {line, (size_t)n};
+    struct msghdr msg = {0};
+    char control[CMSG_SPACE(sizeof(int))];
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    if (pidfd >= 0) {
+        memset(control, 0, sizeof control);
+        msg.msg_control = control;
+        msg.msg_controllen = sizeof control;
+        struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(cm), &pidfd, sizeof(int));
+    }
+    sendmsg(sock, &msg, MSG_NOSIGNAL);
+    if (pidfd >= 0)
+        close(pidfd);
 }
 
 static void spawn_one(int sock, int fds[4]) {
@@ -161,23 +181,24 @@ static void spawn_one(int sock, int fds[4]) {
     char *buf = NULL, *cwd, **argv, **envp;
     if (fstat(fds[3], &st) != 0 || st.st_size <= 0 || st.st_size > MAX_REQUEST ||
         !(buf = malloc(st.st_size))) {
-        answer(sock, -1, EINVAL, 0);
+        answer(sock, -1, EINVAL, 0, -1);
         return;
     }
     if (pread(fds[3], buf, st.st_size, 0) != st.st_size ||
         !parse(buf, st.st_size, &cwd, &argv, &envp)) {
         free(buf);
-        answer(sock, -1, EINVAL, 0);
+        answer(sock, -1, EINVAL, 0, -1);
         return;
     }
     int err[2];
     if (pipe2(err, O_CLOEXEC) != 0) {
-        answer(sock, -1, errno, 0);
+        answer(sock, -1, errno, 0, -1);
         free(buf);
         free(argv);
         return;
     }
-    long pid = syscall(SYS_clone, CLONE_PARENT | SIGCHLD, 0, 0, 0, 0);
+    int pidfd = -1; /* CLONE_PIDFD puts it where clone's parent_tid points */
+    long pid = syscall(SYS_clone, CLONE_PARENT | CLONE_PIDFD | SIGCHLD, 0, &pidfd, 0, 0);
     if (pid == 0) {
         close(err[0]);
         child(fds, err[1], cwd, argv, envp);
@@ -198,7 +219,12 @@ static void spawn_one(int sock, int fds[4]) {
     close(err[0]);
     free(buf);
     free(argv);
-    answer(sock, pid, report[0], report[1]);
+    if (pid < 0 || report[0]) { /* no command runs: nothing to wait for through it */
+        if (pidfd >= 0)
+            close(pidfd);
+        pidfd = -1;
+    }
+    answer(sock, pid, report[0], report[1], pidfd);
 }
 
 static void serve(int sock) {
@@ -227,7 +253,7 @@ static void serve(int sock) {
         if (nfds == 4 && !(msg.msg_flags & MSG_CTRUNC))
             spawn_one(sock, fds);
         else
-            answer(sock, -1, EINVAL, 0);
+            answer(sock, -1, EINVAL, 0, -1);
         for (int i = 0; i < nfds; i++)
             close(fds[i]);
     }

@@ -45,7 +45,7 @@ _READ_SIZE = 64 * 1024
 # the pipe (at most fs.pipe-max-size, 1 MiB by default); anything beyond comes from a
 # grandchild that is still writing, and draining that could go on forever.
 _DRAIN_LIMIT = 1024 * 1024 + _READ_SIZE
-# Only if pidfd_open is refused (seccomp, kernel before 5.3): how often to look for the exit.
+# Only without a pidfd (a kernel before 5.3): how often to look for the exit.
 _POLL_INTERVAL = 0.05
 # A wait result carries stdout and stderr inside the JSON header, where escapes can make text
 # up to six times longer than its bytes; the result is cut to stay below the frame limit.
@@ -119,10 +119,13 @@ class Command:
             os.set_blocking(stream.pipe.fileno(), False)
             self.agent.watch(stream.pipe, partial(self._on_readable, stream))
         self._timer = self.agent.call_later(timeout, self._on_timeout) if timeout else None
-        self._pidfd: int | None = None
-        try:
-            self._pidfd = os.pidfd_open(self.pid)
-        except OSError:
+        # A command started through bb-init comes with a pidfd (pidfd_open is refused in
+        # sandboxes); a Popen (the agent run bare, in its tests) opens one.
+        self._pidfd: int | None = getattr(proc, "pidfd", None)
+        if self._pidfd is None:
+            with contextlib.suppress(OSError):
+                self._pidfd = os.pidfd_open(self.pid)
+        if self._pidfd is None:
             self.agent.call_later(_POLL_INTERVAL, self._poll)
         else:
             self.agent.watch(self._pidfd, self._poll)

@@ -28,11 +28,13 @@ in their branch by Landlock, see ``entry``).
 
 ``setns`` is allowed for network namespaces only, so that a fork child can
 join the one the daemon made ahead for it. The kernel asks CAP_SYS_ADMIN
-over the namespace's owner (the host's is out of reach) and, for a pidfd,
-ptrace read access to the process, which Landlock gives only over the
-caller's own branch and the branches forked from it: never a sibling or
-the parent. Past Landlock's depth the daemon answers ``pidfd_open``
-(``supervise_signals``), so a sibling's pidfd cannot be had there either.
+over the namespace's owner (the host's is out of reach); a namespace of
+another branch could be reached only through a pidfd of one of its
+processes, and ``pidfd_open`` is refused: every REPL of a family shares
+the family PID namespace, and Landlock gives a branch ptrace access over
+the branches forked from it, so a parent could otherwise join a child's
+network and its egress policy. A pidfd of a process one starts comes with
+its clone (bb-init hands the REPL those of commands).
 
 Landlock nests only 16 domains deep. A branch past that depth adds a second
 filter (:func:`supervise_signals`) whose signal calls the daemon answers:
@@ -82,6 +84,7 @@ _ONLY_SELF = {
 }
 _MS_REMOUNT = 0x20
 DENIED = {
+    "pidfd_open": 434,  # a pidfd of another branch's REPL would reach its network (setns)
     "mount_setattr": 442,
     "fspick": 433,
     "ptrace": 101,

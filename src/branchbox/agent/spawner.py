@@ -6,7 +6,8 @@ for good (see ``bb_init.c`` for why). So the REPL does not start commands
 itself: it sends bb-init the command's stdin, stdout and stderr and a memfd
 holding ``cwd\\0argv...\\0\\0env...\\0``; bb-init clones it with CLONE_PARENT
 (it is then the REPL's own child, which the REPL waits for as it would for a
-Popen) and answers once it has exec'd or failed.
+Popen) and answers once it has exec'd or failed, with a pidfd of it: the agent
+watches the command's exit through that (pidfd_open is refused in sandboxes).
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ _REPLY_TIMEOUT = 30.0  # bb-init answers as soon as the exec happened; this only
 class Spawned:
     """A command started through the spawner: what ``Command`` uses of a ``Popen``."""
 
-    def __init__(self, pid: int, stdout: IO[bytes] | None, stderr: IO[bytes] | None) -> None:
+    def __init__(self, pid: int, stdout: IO[bytes] | None, stderr: IO[bytes] | None,
+                 pidfd: int | None = None) -> None:
         self.pid = pid
         self.stdout = stdout
         self.stderr = stderr
+        self.pidfd = pidfd  # the caller's to close: readable once the command has exited
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -77,7 +80,8 @@ def spawn(spawner: int, argv: list[str], cwd: str | None, env: dict[str, str],
         os.write(memfd, request)
         sock.settimeout(_REPLY_TIMEOUT)
         socket.send_fds(sock, [b"s"], [stdin, out_w, err_w, memfd])
-        reply = sock.recv(64).split()
+        data, got, _, _ = socket.recv_fds(sock, 64, 1)
+        reply = data.split()
     except BaseException:
         _close(out_r, err_r)
         raise
@@ -85,19 +89,23 @@ def spawn(spawner: int, argv: list[str], cwd: str | None, env: dict[str, str],
         sock.close()
         for fd in (memfd, stdin, out_w, err_w):
             os.close(fd)
+    pidfd = got[0] if got else None
+    if pidfd is not None:
+        os.set_inheritable(pidfd, False)
     try:
         pid, err, step = (int(x) for x in reply)
     except ValueError:
         pid, err, step = -1, errno.EPIPE, 0
     if pid <= 0 or err:
-        _close(out_r, err_r)
+        _close(out_r, err_r, pidfd)
         if pid > 0:  # cloned, but chdir or exec failed: it has exited
             os.waitpid(pid, 0)
         where = cwd if step == 1 else argv[0]
         raise OSError(err or errno.EIO, os.strerror(err or errno.EIO), where)
     if out_r is None or err_r is None:
-        return Spawned(pid, None, None)
-    return Spawned(pid, os.fdopen(out_r, "rb", buffering=0), os.fdopen(err_r, "rb", buffering=0))
+        return Spawned(pid, None, None, pidfd)
+    return Spawned(pid, os.fdopen(out_r, "rb", buffering=0), os.fdopen(err_r, "rb", buffering=0),
+                   pidfd)
 
 
 def _close(*fds: int | None) -> None:
