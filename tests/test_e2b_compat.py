@@ -569,7 +569,7 @@ import gc
 from bbagent.server import Agent
 agent = next(a for a in gc.get_objects() if isinstance(a, Agent))
 forged = [1, {"name": 5, "type": "create"}, {"name": "x", "type": "bogus"},
-          {"name": "kept", "type": "create"}]
+          {"name": "y", "type": ["create"]}, {"name": "kept", "type": "create"}]
 agent.register("watch_events", lambda a, req, payload, fds: a.done(req["rid"],
                                                                      {"events": forged}))
 """

@@ -273,3 +273,21 @@ def test_commands_run_under_the_filter_in_every_sandbox(make) -> None:
         assert status == ["NoNewPrivs:", "1", "Seccomp:", "2"], f"{name}: {status}"
         refused = sb.exec(["python3", "-c", _REMOUNT_FROM_A_COMMAND]).stdout.strip()
         assert refused == "1", f"{name}: a command remounted / (errno {refused})"
+
+
+def test_a_deleted_file_mapping_keeps_its_data_in_a_child(make) -> None:
+    """A shared mapping of a file deleted since (nothing to map again in the child's root)
+    is copied whole, evicted pages included, and is the child's own from then on."""
+    parent = make()
+    parent.run_code(
+        "import mmap, os\n"
+        "f = open('/root/gone', 'w+b'); f.write(b'%06d' % 7 * 4096); f.flush()\n"
+        "os.fsync(f.fileno())\n"
+        "gone = mmap.mmap(f.fileno(), 6 * 4096)\n"
+        "os.unlink('/root/gone')\n"
+        "os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # out of the page cache")
+    (child,) = parent.fork(n=1)
+    assert child.run_code("bytes(gone[:6]), bytes(gone[-6:])").text == \
+        "(b'000007', b'000007')"
+    child.run_code("gone[:6] = b'child!'")
+    assert parent.run_code("bytes(gone[:6])").text == "b'000007'"

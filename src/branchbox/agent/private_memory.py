@@ -17,9 +17,10 @@ in it (``agent.forking``):
   fresh ``/dev/shm`` does not have, deleted files, System V segments) is copied
   into new shared anonymous memory moved onto the same addresses (``mremap``,
   so no pointer changes), shared from then on only with the child's own
-  processes. Only pages in memory are copied (``mincore``): a sparse block
-  costs what was written to it, not its size. With swap on, a page swapped
-  out is not "in memory", so then every page is copied.
+  processes. Of shared memory only pages in memory are copied (``mincore``):
+  a sparse block costs what was written to it, not its size. With swap on, a
+  page swapped out is not "in memory", so then every page is copied; so it is
+  for a file on disk (a deleted one), whose clean pages may have been evicted.
 
 The daemon lists the mappings from the host's /proc (``runtime.procfs``): the
 REPL cannot see its own /proc. A mapping this module cannot copy (one that
@@ -41,10 +42,12 @@ _PROTS = {"r": sysc.PROT_READ, "w": sysc.PROT_WRITE, "x": sysc.PROT_EXEC}
 class Shared:
     """One ``MAP_SHARED`` mapping of the parent, as the daemon read it from maps."""
 
-    __slots__ = ("end", "offset", "path", "prot", "start")
+    __slots__ = ("end", "offset", "path", "prot", "size", "start")
 
-    def __init__(self, start: int, end: int, prot: int, offset: int, path: str) -> None:
+    def __init__(self, start: int, end: int, prot: int, offset: int, path: str,
+                 size: int | None) -> None:
         self.start, self.end, self.prot, self.offset, self.path = start, end, prot, offset, path
+        self.size = size  # of the file on disk it maps, else None (shared memory)
 
     @property
     def length(self) -> int:
@@ -58,13 +61,15 @@ class Shared:
 
 
 def plan(entries: list) -> list[Shared]:
-    """The daemon's ``[start, end, perms, offset, path]`` entries, checked: page-aligned,
-    non-empty, shared. Anything else is dropped (the daemon sends only what it read)."""
+    """The daemon's ``[start, end, perms, offset, path, size]`` entries, checked:
+    page-aligned, non-empty, shared. Anything else is dropped (the daemon sends only what
+    it read)."""
     found = []
     for entry in entries:
         try:
-            start, end, perms, offset, path = entry
+            start, end, perms, offset, path, size = entry
             start, end, offset = int(start), int(end), int(offset)
+            size = None if size is None else int(size)
         except (TypeError, ValueError):
             continue
         if not (isinstance(perms, str) and isinstance(path, str) and len(perms) == 4
@@ -72,7 +77,7 @@ def plan(entries: list) -> list[Shared]:
                 and not (start | end) % sysc.PAGE):
             continue
         prot = sum(bit for flag, bit in _PROTS.items() if flag in perms[:3])
-        found.append(Shared(start, end, prot, offset, path))
+        found.append(Shared(start, end, prot, offset, path, size))
     return found
 
 
@@ -102,7 +107,7 @@ def _remap_file(mapping: Shared) -> bool:
         return False
     flags = os.O_RDWR if mapping.prot & sysc.PROT_WRITE else os.O_RDONLY
     try:
-        fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOCTTY)
+        fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)  # a FIFO
     except OSError:
         return False
     try:
@@ -118,14 +123,16 @@ def _remap_file(mapping: Shared) -> bool:
 
 
 def _copy_anonymous(mapping: Shared, swap: bool) -> None:
-    """New shared anonymous memory with the mapping's pages in memory, moved onto it."""
+    """New shared anonymous memory with the mapping's data, moved onto it: of a file on
+    disk (a deleted one, say), every page within the file; of shared memory, the pages
+    in memory."""
     start, length = mapping.start, mapping.length
     new = sysc.mmap(0, length, sysc.PROT_READ | sysc.PROT_WRITE,
                     sysc.MAP_SHARED | sysc.MAP_ANONYMOUS)
     try:
         if not mapping.prot & sysc.PROT_READ:
             sysc.mprotect(start, length, sysc.PROT_READ)
-        for offset, size in _runs(start, length, swap):
+        for offset, size in _runs(mapping, swap):
             ctypes.memmove(new + offset, start + offset, size)
         if mapping.prot != sysc.PROT_READ | sysc.PROT_WRITE:
             sysc.mprotect(new, length, mapping.prot)
@@ -135,8 +142,15 @@ def _copy_anonymous(mapping: Shared, swap: bool) -> None:
         raise
 
 
-def _runs(start: int, length: int, swap: bool) -> list[tuple[int, int]]:
-    """(offset, size) of the runs of pages to copy: those in memory, or all with swap on."""
+def _runs(mapping: Shared, swap: bool) -> list[tuple[int, int]]:
+    """(offset, size) of the runs of pages to copy: for a file on disk, all within the
+    file (past its end a read faults); for shared memory those in memory, or all with
+    swap on (a swapped page is not in memory either)."""
+    start, length = mapping.start, mapping.length
+    if mapping.size is not None:
+        within = max(0, min(length, mapping.size - mapping.offset))
+        within = (within + sysc.PAGE - 1) // sysc.PAGE * sysc.PAGE
+        return [(0, min(within, length))] if within else []
     if swap:
         return [(0, length)]
     runs: list[tuple[int, int]] = []

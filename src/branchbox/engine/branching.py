@@ -296,19 +296,20 @@ class Branching:
         receipt. The first slot of a fork also carries ``inherit`` (the REPL's fds, see
         runtime.procfs). Returns two awaitables: the REPL's answer, and the child's hello
         (request 0 on its own channel: ready, or why its set-up failed)."""
-        joined = [] if netns is None else [netns]
+        fds = [] if netns is None else [netns]  # all closed here, whatever happens
+        theirs = hello = None
         try:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        except BaseException:
-            for fd in joined:
-                os.close(fd)
-            raise
-        body.channel = AgentChannel(ours)
-        hello = _result(body.channel.events(0, body.channel.expect(0)))  # before it can come
-        repl_fds, cmds_fds = body.cgroup.join_fds("repl"), body.cgroup.join_fds("cmds")
-        mounts = body.layers.mounts()
-        fds = [body.layers.tree(), *joined, *repl_fds, *cmds_fds, *(fd for fd, _ in mounts)]
-        try:
+            body.channel = AgentChannel(ours)
+            hello = _result(body.channel.events(0, body.channel.expect(0)))  # before it comes
+            joined = list(fds)
+            repl_fds = body.cgroup.join_fds("repl")
+            fds += repl_fds
+            cmds_fds = body.cgroup.join_fds("cmds")
+            fds += cmds_fds
+            mounts = body.layers.mounts()
+            fds += [fd for fd, _ in mounts]
+            fds.insert(0, body.layers.tree())
             rid, queue = channel.open_request()
             slot = {"op": "fork_slot", "rid": rid, "id": sid, "nrepl": len(repl_fds),
                     "ncmds": len(cmds_fds), "netns": bool(joined),
@@ -318,10 +319,12 @@ class Branching:
             await channel.send(slot, fds=[fds[0], theirs.fileno(), *fds[1:]])
             return _drain(channel.events(rid, queue)), hello
         except BaseException:
-            hello.close()
+            if hello is not None:
+                hello.close()
             raise
         finally:
-            theirs.close()
+            if theirs is not None:
+                theirs.close()
             for fd in fds:
                 os.close(fd)
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import ipaddress
 import itertools
 import logging
@@ -136,18 +137,18 @@ class SandboxNetwork:
     async def stop(self) -> None:
         if self._refill is not None:
             self._refill.cancel()
-        self._drop_all_made()
+        await self._drop_all_made()
         await asyncio.gather(*self._unplugging, return_exceptions=True)
         self._dying.clear()
         await self.net.stop()  # every port of this daemon, dying ones too
         self.db.execute("DELETE FROM net_leases")
 
-    def detach(self) -> None:
+    async def detach(self) -> None:
         """A stop that leaves sandboxes running (``--keep``): the bridge, their links and
         the firewall stay for the next daemon; only this one's helper ends."""
         if self._refill is not None:
             self._refill.cancel()
-        self._drop_all_made()  # their links go with them; the next daemon sweeps the leases
+        await self._drop_all_made()  # their links go with them; the next daemon sweeps leases
         self.net.detach()
 
     # ------------------------------------------------------------------ leases
@@ -327,7 +328,13 @@ class SandboxNetwork:
         if ident not in self._making and len(self.made.get(ident, ())) < want:
             task = asyncio.get_running_loop().create_task(self._make(family))
             self._making[ident] = task
-            task.add_done_callback(lambda _: self._making.pop(ident, None))
+            task.add_done_callback(functools.partial(self._made_done, ident))
+
+    def _made_done(self, ident: tuple[int, int], task: asyncio.Task) -> None:
+        if self._making.get(ident) is task:  # not a newer one for the same family
+            del self._making[ident]
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("network: making namespaces ahead failed: %s", task.exception())
 
     async def _make(self, family: Family) -> None:
         """Namespaces from the family's launcher, plugged and addressed by the maker
@@ -344,7 +351,12 @@ class SandboxNetwork:
                 return
             if not fds:
                 return
-            ports = self._prepare(len(fds))
+            try:
+                ports = self._prepare(len(fds))
+            except BaseException:  # no address left, say: the namespaces go unused
+                for fd in fds:
+                    os.close(fd)
+                raise
             for port in ports:
                 port.plugged = True  # or about to be: freed once no link has its name
             made = [Made(p, fd) for p, fd in zip(ports, fds, strict=True)]
@@ -375,9 +387,13 @@ class SandboxNetwork:
             os.close(m.netns)
             self._let_go(m.port)
 
-    def _drop_all_made(self) -> None:
+    async def _drop_all_made(self) -> None:
+        """Every family's namespaces go; what is being made is cancelled and waited for
+        first (its own clean-up uses the firewall, which the caller closes next)."""
+        making = list(self._making.values())
         for family in list(self.made) + list(self._making):
             self.drop_made(family)
+        await asyncio.gather(*making, return_exceptions=True)
 
     async def hand_over(self, winner_key: str, parent_key: str, cgroup) -> None:
         """A merge: the winner's body takes the parent's address (the id keeps it); the

@@ -12,10 +12,12 @@ ready is an empty leftover, which the next start removes with the others.
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 
 from branchbox.runtime.cgroups import Limits, SandboxCgroup
 
+log = logging.getLogger("branchbox.engine")
 READY_MAX = 32  # cgroups kept ready per set of limits (a fork takes at most 32 children)
 
 
@@ -54,8 +56,15 @@ class ReadyCgroups:
             self.ready.setdefault(limits, []).extend(made)
 
     def _create(self, limits: Limits, n: int) -> list[SandboxCgroup]:
-        return [SandboxCgroup.create(self.group, secrets.token_hex(8), limits)
-                for _ in range(n)]
+        """Up to ``n`` cgroups; a failure (no memory for one more, say) keeps those made
+        and is logged: a fork then makes its children's on its path."""
+        made: list[SandboxCgroup] = []
+        try:
+            for _ in range(n):
+                made.append(SandboxCgroup.create(self.group, secrets.token_hex(8), limits))
+        except OSError as exc:
+            log.warning("cgroups made ahead: %s", exc)
+        return made
 
     async def close(self) -> None:
         """Remove every cgroup made ahead (the daemon stops), once a batch under way is in."""

@@ -188,7 +188,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         if self.config.keep:
             await self._leave_running()
             if self.net is not None:
-                self.net.detach()
+                await self.net.detach()
         else:
             for sid in list(self.live):
                 with contextlib.suppress(errors.EngineError):

@@ -78,7 +78,12 @@ class Family:
         if self.netns_maker is None:
             raise OSError("this family's launcher makes no namespaces")
         async with self._making:
-            return await asyncio.to_thread(self._ask, self.netns_maker, n)
+            job = asyncio.ensure_future(asyncio.to_thread(self._ask, self.netns_maker, n))
+            try:
+                return await asyncio.shield(job)
+            except asyncio.CancelledError:  # the answer still comes: its fds are closed then
+                job.add_done_callback(_close_made)
+                raise
 
     @staticmethod
     def _ask(conn: socket.socket, n: int) -> list[int]:
@@ -125,6 +130,12 @@ class Family:
         done, self.on_exit = self.on_exit, None
         if done is not None:
             done()
+
+
+def _close_made(job: asyncio.Future) -> None:
+    if not job.cancelled() and job.exception() is None:
+        for fd in job.result():
+            os.close(fd)
 
 
 class Zygote:

@@ -255,9 +255,11 @@ def _make_namespaces_until(init_pid: int, conn: socket.socket, home: int) -> Non
                     made.append(os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC))
             except OSError:
                 pass  # fewer: the daemon plugs what it got
-            finally:
+            try:
                 sysc.setns(home, sysc.CLONE_NEWNET)
-            with contextlib.suppress(OSError):
                 socket.send_fds(conn, [b"%d" % len(made)], made)
+            except OSError:  # it makes no more (the daemon plugs children after their hello)
+                poller.unregister(conn)
+                conn.close()
             for fd in made:
                 os.close(fd)

@@ -74,22 +74,36 @@ def describe(pid: int) -> dict:
 
 
 def shared_mappings(pid: int) -> list[list]:
-    """``[start, end, perms, offset, path]`` of every MAP_SHARED mapping of ``pid`` (perms
-    as in maps, e.g. "rw-s"; path "" when anonymous), paths relative to the process's
-    own root. Raises :class:`TooManyShared` past ``MAX_SHARED``."""
+    """``[start, end, perms, offset, path, size]`` of every MAP_SHARED mapping of ``pid``
+    (perms as in maps, e.g. "rw-s"; path "" when anonymous, relative to the process's own
+    root; names that are not UTF-8 as ``os.fsdecode`` gives them). ``size`` is the file's
+    size for a mapping of a file on disk (a child that copies it must copy every page in
+    it: one evicted from the page cache is not "in memory", yet holds data), else None
+    (shared memory: its pages are in memory or swapped). Raises :class:`TooManyShared`
+    past ``MAX_SHARED``."""
     found = []
-    with open(f"/proc/{pid}/maps") as f:
-        for line in f:
-            fields = line.rstrip("\n").split(maxsplit=5)
+    with open(f"/proc/{pid}/maps", "rb") as f:
+        for raw in f:
+            fields = os.fsdecode(raw.rstrip(b"\n")).split(maxsplit=5)
             if len(fields) < 5 or not fields[1].endswith("s"):
                 continue
             if len(found) == MAX_SHARED:
                 raise TooManyShared(f"the REPL has more than {MAX_SHARED} shared memory "
                                     "mappings; a fork child must make each its own")
             start, _, end = fields[0].partition("-")
-            found.append([int(start, 16), int(end, 16), fields[1], int(fields[2], 16),
-                          fields[5] if len(fields) == 6 else ""])
+            path = fields[5] if len(fields) == 6 else ""
+            size = None
+            if path.startswith("/") and not path.startswith(_SHMEM_PATHS):
+                with contextlib.suppress(OSError):
+                    size = os.stat(f"/proc/{pid}/map_files/{start}-{end}").st_size
+            found.append([int(start, 16), int(end, 16), fields[1], int(fields[2], 16), path,
+                          size])
     return found
+
+
+# What maps names shared memory by (tmpfs and shmem: their pages are never evicted, only
+# swapped): /dev/zero and System V segments, memfds, /dev/shm blocks.
+_SHMEM_PATHS = ("/dev/zero", "/SYSV", "/memfd:", "/dev/shm/")
 
 
 def _swapping() -> bool:

@@ -307,7 +307,7 @@ async def _watch_events(engine: Engine, sandbox_id: str, watch_id: str) -> list[
         return []
     return [{"name": e["name"], "type": _EVENT_TYPES[e["type"]]} for e in events
             if isinstance(e, dict) and isinstance(e.get("name"), str)
-            and e.get("type") in _EVENT_TYPES]
+            and isinstance(e.get("type"), str) and e["type"] in _EVENT_TYPES]
 
 
 @_unary("/filesystem.Filesystem/CreateWatcher")
