@@ -117,6 +117,16 @@ class Helper:
             index, req["address"], req["prefix"], ok=(17,)))  # EEXIST: a restarted daemon's
         return {"index": index}
 
+    @contextlib.contextmanager
+    def _in_slot(self, netns_fd: int):
+        """``netns_fd`` at the slot the pre-encoded messages name, for the ``with`` block;
+        then the host's again: the slot must not keep a child's namespace alive."""
+        os.dup2(netns_fd, msgs.NETNS_SLOT, inheritable=False)
+        try:
+            yield
+        finally:
+            os.dup2(self.host_ns, msgs.NETNS_SLOT, inheritable=False)
+
     def op_plug(self, req: dict, fds: list[int]) -> dict:
         """A veth pair: ``port`` on the bridge, up; its peer ``eth0`` made directly in the
         namespace ``fds[0]``, then (inside) up, its address and the default route.
@@ -124,11 +134,8 @@ class Helper:
         The messages come encoded (``req["veth"]``, ``req["inside"]``: netlink_msgs);
         ``steps`` in the reply is each step's time in ns, for the bench."""
         t0 = time.perf_counter_ns()
-        os.dup2(fds[0], msgs.NETNS_SLOT, inheritable=False)
-        try:
+        with self._in_slot(fds[0]):
             t = [t0, *self._plug(req, fds[0])]
-        finally:  # the slot must not keep the child's namespace alive after it dies
-            os.dup2(self.host_ns, msgs.NETNS_SLOT, inheritable=False)
         return {"steps": {step: t[i + 1] - t[i] for i, step in enumerate(
             ("decode", "veth", "setns_in", "socket", "configure", "setns_out"))}}
 
@@ -168,11 +175,8 @@ class Helper:
         """op_plug for each namespace of ``fds`` with the port of ``req["ports"]`` at the
         same place: namespaces a family's launcher made ahead (engine.networking)."""
         for netns, port in zip(fds, req["ports"], strict=True):
-            os.dup2(netns, msgs.NETNS_SLOT, inheritable=False)
-            try:
+            with self._in_slot(netns):
                 self._plug(port, netns)
-            finally:
-                os.dup2(self.host_ns, msgs.NETNS_SLOT, inheritable=False)
         return {}
 
     def op_readdr(self, req: dict, fds: list[int]) -> dict:

@@ -267,10 +267,8 @@ class Network:
         """``port`` on the bridge, its peer ``eth0`` with ``address`` in ``netns_fd``
         (consumed); ``wire`` is the port's :meth:`plug_messages`."""
         try:
-            return await self.helper.call(
-                "plug", [netns_fd], port=port, mac=mac, address=address,
-                prefix=self.subnet.prefixlen, gateway=self.gateway, bridge=self.bridge_index,
-                veth=wire.veth.data.hex(), inside=wire.inside.data.hex(), ok=wire.inside.ok)
+            return await self.helper.call("plug", [netns_fd],
+                                          **self._plug_request(port, mac, address, wire))
         finally:
             os.close(netns_fd)
 
@@ -279,10 +277,15 @@ class Network:
         """Plug each port (name, MAC, address, its plug_messages) into the namespace at the
         same place of ``netns_fds`` (not consumed), through the maker helper."""
         await self.maker.call("plug_each", netns_fds, ports=[
-            {"port": name, "mac": mac, "address": address, "prefix": self.subnet.prefixlen,
-             "gateway": self.gateway, "bridge": self.bridge_index,
-             "veth": wire.veth.data.hex(), "inside": wire.inside.data.hex(),
-             "ok": wire.inside.ok} for name, mac, address, wire in ports])
+            self._plug_request(*port) for port in ports])
+
+    def _plug_request(self, port: str, mac: str, address: str,
+                      wire: msgs.PlugMessages) -> dict:
+        """What the helper's ``_plug`` takes for one port."""
+        return {"port": port, "mac": mac, "address": address, "prefix": self.subnet.prefixlen,
+                "gateway": self.gateway, "bridge": self.bridge_index,
+                "veth": wire.veth.data.hex(), "inside": wire.inside.data.hex(),
+                "ok": wire.inside.ok}
 
     async def readdress(self, netns_fd: int, old: str, new: str) -> None:
         try:

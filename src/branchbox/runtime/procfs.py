@@ -28,6 +28,11 @@ MAX_FDS = 4096
 MAX_SHARED = 1024
 
 
+# What maps names shared memory by (tmpfs and shmem: their pages are never evicted, only
+# swapped): /dev/zero and System V segments, memfds, /dev/shm blocks.
+_SHMEM_PATHS = ("/dev/zero", "/SYSV", "/memfd:", "/dev/shm/")
+
+
 class TooManyShared(Exception):
     """The REPL has more shared mappings than a fork child can be told about."""
 
@@ -99,11 +104,6 @@ def shared_mappings(pid: int) -> list[list]:
             found.append([int(start, 16), int(end, 16), fields[1], int(fields[2], 16), path,
                           size])
     return found
-
-
-# What maps names shared memory by (tmpfs and shmem: their pages are never evicted, only
-# swapped): /dev/zero and System V segments, memfds, /dev/shm blocks.
-_SHMEM_PATHS = ("/dev/zero", "/SYSV", "/memfd:", "/dev/shm/")
 
 
 def _swapping() -> bool:
