@@ -1,7 +1,11 @@
-"""Checkpoints (issue 13 part 3): frozen instants of a sandbox, memory and files, that it
-goes back to (same id, same address) or branches from, freed with it."""
+"""Checkpoints (issue 13 part 3): instants of a sandbox, memory and files, that it goes back
+to (same id, same address) or branches from, freed with it."""
 
 from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,12 +24,21 @@ from branchbox.sdk._portal import portal
 STATE = "import os; (x, os.environ.get('FOO'), os.getcwd())"
 
 
-def frozen(cgroup) -> bool:
-    """Whether the kernel reports the whole cgroup frozen (v1 freezer or v2)."""
-    if cgroup.version == 2:
-        return "frozen 1" in (cgroup.dirs[0] / "cgroup.events").read_text()
-    freezer = next(d for d in cgroup.dirs if d.parts[-4] == "freezer")
-    return (freezer / "freezer.state").read_text().strip() == "FROZEN"
+_RECVMSG = {"x86_64": 47, "aarch64": 212}[platform.machine()]
+
+
+def waiting(cgroup) -> None:
+    """A checkpoint runs nothing and holds nothing of its sandbox: its cgroup has one
+    process, asleep in recvmsg on its one socket, every other fd /dev/null."""
+    (pid,) = cgroup.pids()
+    proc = Path(f"/proc/{pid}")
+    status = dict(line.split(":\t", 1) for line in
+                  (proc / "status").read_text().splitlines() if ":\t" in line)
+    assert status["State"].startswith("S"), status["State"]
+    assert int((proc / "syscall").read_text().split()[0]) == _RECVMSG
+    targets = [os.readlink(fd) for fd in (proc / "fd").iterdir()]
+    assert sum(t.startswith("socket:") for t in targets) == 1, targets
+    assert all(t.startswith("socket:") or t == "/dev/null" for t in targets), targets
 
 
 def test_restore_round_trips_memory_files_env_and_cwd(harness, make) -> None:
@@ -35,7 +48,7 @@ def test_restore_round_trips_memory_files_env_and_cwd(harness, make) -> None:
     ip = sb.ip
     cp = sb.checkpoint("after-setup")
     assert cp.name == "after-setup" and cp.id.startswith("cp_")
-    assert frozen(harness.engine._checkpoints[cp.id].body.cgroup), "a checkpoint must not run"
+    waiting(harness.engine._checkpoints[cp.id].body.cgroup)
 
     for _ in range(2):  # the checkpoint stays: restore it twice
         sb.run_code("x.append(4); os.environ['FOO'] = 'after'; os.chdir('/')")

@@ -69,11 +69,12 @@ class _Batch:
     """What every child of one fork inherits, looked at once when its first slot arrives."""
 
     def __init__(self, started: float, reopen: list[tuple[int, str, int, int]],
-                 close: list[int], threads: int, cwd: str,
+                 close: list[int], listeners: list[_Listener], threads: int, cwd: str,
                  shared: list[private_memory.Shared], swap: bool) -> None:
         self.started = started
         self.reopen = reopen
-        self.close = close
+        self.close = close  # every fd not re-opened, listeners too (they get /dev/null first)
+        self.listeners = listeners
         self.threads = threads
         self.shared = shared
         self.swap = swap
@@ -128,23 +129,17 @@ def handle_fork_slot(agent, req: dict, payload: bytes, fds: list[int]) -> None:
     to attach at ``req["mounts"]`` (paths)]. The first slot of a fork opens the batch;
     "fork" closes it. The first slot also carries ``inherit``: the REPL's fds, shared
     mappings and thread count as the daemon read them from the host's /proc."""
-    nrepl, ncmds, paths = int(req["nrepl"]), int(req["ncmds"]), list(req.get("mounts", ()))
-    first = 3 if req.get("netns") else 2
-    if len(fds) != first + nrepl + ncmds + len(paths):
-        for fd in fds:
-            os.close(fd)
+    slot = slot_from(req, fds)
+    if slot is None:
         agent.fail(req["rid"], "InvalidRequest", "fork_slot got the wrong number of fds")
         return
-    repl_end, cmds_end = first + nrepl, first + nrepl + ncmds
-    mounts = list(zip(fds[cmds_end:], paths, strict=True))
-    slot = _Slot(req["id"], fds[0], fds[1], fds[2] if first == 3 else None,
-                 fds[first:repl_end], fds[repl_end:cmds_end], mounts)
     parent = os.getpid()
     try:
-        batch = STATE.batch or _open_batch(agent, slot, req.get("inherit") or {})
+        batch = STATE.batch or open_batch(agent, slot.fds(), req.get("inherit") or {})
+        STATE.batch = batch
         pid = _fork_flat()  # born in P: pid_for_children is P outside command_spawning
         if pid == 0:
-            _become_child(agent, slot, batch)
+            become_child(agent, slot, batch)
             return  # the child goes back to the request loop, now on its own socket
         batch.pids.append(pid)
     finally:
@@ -154,9 +149,32 @@ def handle_fork_slot(agent, req: dict, payload: bytes, fds: list[int]) -> None:
     agent.done(req["rid"], {"pid": pid})
 
 
-def _open_batch(agent, slot: _Slot, inherit: dict) -> _Batch:
+def slot_from(req: dict, fds: list[int]) -> _Slot | None:
+    """A child's slot from a ``fork_slot`` request (or a checkpoint's wake, which carries
+    the same) and its fds; None, every fd closed, if they do not match."""
+    try:
+        nrepl, ncmds = int(req["nrepl"]), int(req["ncmds"])
+        paths = [str(path) for path in req.get("mounts", ())]
+        first = 3 if req.get("netns") else 2
+        sandbox_id = str(req["id"])
+        valid = nrepl >= 0 and ncmds >= 0 and len(fds) == first + nrepl + ncmds + len(paths)
+    except (KeyError, TypeError, ValueError):
+        valid = False
+    if not valid:
+        for fd in fds:
+            os.close(fd)
+        return None
+    repl_end, cmds_end = first + nrepl, first + nrepl + ncmds
+    return _Slot(sandbox_id, fds[0], fds[1], fds[2] if first == 3 else None,
+                 fds[first:repl_end], fds[repl_end:cmds_end],
+                 list(zip(fds[cmds_end:], paths, strict=True)))
+
+
+def open_batch(agent, received: list[int], inherit: dict) -> _Batch:
+    """What every child of this instant inherits (fds, listeners, shared memory, cwd),
+    from ``inherit`` as the daemon read it; ``received`` are the request's own fds."""
     started = time.perf_counter()
-    skip = {*agent.own_fds(), *_inherited(), *slot.fds()}
+    skip = {*agent.own_fds(), *inherited(), *received}
     reopen, close = plan_fds(inherit.get("fds") or [], skip)
     threads = int(inherit.get("threads") or 1)
     shared = private_memory.plan(inherit.get("shared") or [])
@@ -164,12 +182,11 @@ def _open_batch(agent, slot: _Slot, inherit: dict) -> _Batch:
     # them again, in the children or here, so it never writes to (and so copies) the
     # pages they share. A full collection would otherwise copy the whole heap per child.
     gc.freeze()
-    STATE.batch = _Batch(started, reopen, close, threads, os.getcwd(), shared,
-                         bool(inherit.get("swap")))
-    return STATE.batch
+    return _Batch(started, reopen, close, describe_listeners(close), threads, os.getcwd(),
+                  shared, bool(inherit.get("swap")))
 
 
-def _inherited() -> list[int]:
+def inherited() -> list[int]:
     """This REPL's own sandbox fds, which a child closes (it gets its own)."""
     return [STATE.spawner] if STATE.spawner >= 0 else []
 
@@ -249,38 +266,46 @@ _SOCKOPTS = [(socket.SOL_SOCKET, socket.SO_REUSEADDR), (socket.SOL_SOCKET, socke
 _V6ONLY = (socket.IPPROTO_IPV6, socket.IPV6_V6ONLY)
 
 
-def relisten(fds: list[int]) -> tuple[list[int], list[str]]:
-    """Re-create, in this fork child's own network namespace, the listening TCP and bound
-    (unconnected) UDP sockets among ``fds``: same family, type, port, options, blocking
-    mode and fd number, so the REPL's socket objects listen here. A socket bound to a
-    specific non-loopback address (the parent's own) listens on the wildcard: the
-    child's address is another. Returns the fds still to close (connected sockets,
-    pipes, ...) and a description of each re-created socket.
+class _Listener:
+    """A listening TCP or bound (unconnected) UDP socket of the parent, read at the fork
+    instant: what a child needs to listen the same way in its own network."""
 
-    Must run after the child entered its network namespace and before ``_reopen``.
-    """
-    rest: list[int] = []
-    made: list[str] = []
+    __slots__ = ("address", "blocking", "family", "fd", "inheritable", "kind", "options")
+
+    def __init__(self, fd: int, family: int, kind: int, address: tuple,
+                 options: list[tuple[int, int, int]], blocking: bool,
+                 inheritable: bool) -> None:
+        self.fd, self.family, self.kind, self.address = fd, family, kind, address
+        self.options, self.blocking, self.inheritable = options, blocking, inheritable
+
+    def __str__(self) -> str:
+        proto = "tcp" if self.kind == socket.SOCK_STREAM else "udp"
+        return f"{proto} {self.address[0]}:{self.address[1]} (fd {self.fd})"
+
+
+def describe_listeners(fds: list[int]) -> list[_Listener]:
+    """The listening TCP and bound UDP sockets among ``fds`` (IPv4 and IPv6), read in the
+    parent, so that a child (or a checkpoint's, long after) re-creates them without
+    their old socket. A socket bound to a specific non-loopback address (the parent's
+    own) is described on the wildcard: a child's address is another."""
+    found = []
     for fd in fds:
         try:
             old = socket.socket(fileno=fd)
         except OSError:
-            rest.append(fd)
             continue
         try:
-            described = _relisten_one(old, fd)
+            listener = _describe(old, fd)
         except OSError:
-            described = None
+            listener = None
         finally:
-            old.detach()  # the number stays: dup2'ed over, or closed by _reopen
-        if described is None:
-            rest.append(fd)
-        else:
-            made.append(described)
-    return rest, made
+            old.detach()  # the number stays the parent's
+        if listener is not None:
+            found.append(listener)
+    return found
 
 
-def _relisten_one(old: socket.socket, fd: int) -> str | None:
+def _describe(old: socket.socket, fd: int) -> _Listener | None:
     family, kind = old.family, old.type
     if family not in (socket.AF_INET, socket.AF_INET6) or \
             kind not in (socket.SOCK_STREAM, socket.SOCK_DGRAM):
@@ -304,23 +329,39 @@ def _relisten_one(old: socket.socket, fd: int) -> str | None:
     for level, name in [*_SOCKOPTS, *([_V6ONLY] if family == socket.AF_INET6 else [])]:
         with contextlib.suppress(OSError):
             options.append((level, name, old.getsockopt(level, name)))
-    new = socket.socket(family, kind)
+    return _Listener(fd, family, kind, address, options, os.get_blocking(fd),
+                     os.get_inheritable(fd))
+
+
+def relisten(listeners: list[_Listener]) -> list[_Listener]:
+    """Re-create ``listeners`` in this fork child's own network namespace: same family,
+    type, port, options, blocking mode and fd number, so the REPL's socket objects listen
+    here. Returns those made; the fd of one that could not be stays as it was (the
+    caller made it /dev/null)."""
+    made = []
+    for listener in listeners:
+        with contextlib.suppress(OSError):
+            _listen(listener)
+            made.append(listener)
+    return made
+
+
+def _listen(listener: _Listener) -> None:
+    new = socket.socket(listener.family, listener.kind)
     try:
-        for level, name, value in options:
+        for level, name, value in listener.options:
             with contextlib.suppress(OSError):
                 new.setsockopt(level, name, value)
-        new.bind(address)
-        if kind == socket.SOCK_STREAM:
+        new.bind(listener.address)
+        if listener.kind == socket.SOCK_STREAM:
             new.listen(socket.SOMAXCONN)
-        new.setblocking(os.get_blocking(fd))
-        os.dup2(new.fileno(), fd, inheritable=os.get_inheritable(fd))
+        new.setblocking(listener.blocking)
+        os.dup2(new.fileno(), listener.fd, inheritable=listener.inheritable)
     finally:
         new.close()
-    proto = "tcp" if kind == socket.SOCK_STREAM else "udp"
-    return f"{proto} {address[0]}:{address[1]} (fd {fd})"
 
 
-def _child_warning(threads: str | None, relistened: list[str], closed: list[int],
+def _child_warning(threads: str | None, relistened: list[_Listener], closed: list[int],
                    shared: list[private_memory.Shared], zeroed: list[str]) -> str | None:
     """The child's first-execution warning: threads lost, sockets re-created or gone,
     shared memory made its own."""
@@ -335,7 +376,7 @@ def _child_warning(threads: str | None, relistened: list[str], closed: list[int]
                      + ", ".join(zeroed))
     if relistened:
         parts.append("listening sockets re-created in this fork child's own network: "
-                     + ", ".join(relistened))
+                     + ", ".join(map(str, relistened)))
     if closed:
         parts.append("inherited sockets, pipes and other non-file fds are /dev/null in "
                      "this fork child (established connections do not follow a fork): fds "
@@ -343,9 +384,11 @@ def _child_warning(threads: str | None, relistened: list[str], closed: list[int]
     return "; ".join(parts) or None
 
 
-def _become_child(agent, slot: _Slot, batch: _Batch) -> None:
+def become_child(agent, slot: _Slot, batch: _Batch) -> None:
+    """Turn this process, just forked (from the REPL, or from a checkpoint woken for
+    a restore), into the REPL of the sandbox ``slot`` describes, then say hello."""
     try:
-        for fd in _inherited():
+        for fd in inherited():
             os.close(fd)
         # Its own session and process group: kill(0) or a ^C to the group reaches this
         # branch only, never the parent it was forked from.
@@ -358,10 +401,12 @@ def _become_child(agent, slot: _Slot, batch: _Batch) -> None:
         STATE.listener = -1 if entered.listener is None else entered.listener
         STATE.batch = None
         os.chdir(batch.cwd)
-        close, relistened = relisten(batch.close)
-        _reopen(batch.reopen, close)
+        _reopen(batch.reopen, batch.close)
+        relistened = relisten(batch.listeners)
+        made = {listener.fd for listener in relistened}
+        closed = [fd for fd in batch.close if fd not in made]
         zeroed = private_memory.make_private(batch.shared, batch.swap)
-        STATE.warning = _child_warning(batch.warning, relistened, close, batch.shared, zeroed)
+        STATE.warning = _child_warning(batch.warning, relistened, closed, batch.shared, zeroed)
         ctrl = socket.socket(fileno=slot.ctrl)
         agent.reset_after_fork(ctrl)
         hello = {"pid": os.getpid()}
@@ -393,12 +438,17 @@ def _fork_flat() -> int:
 
     Every REPL of a family is then a child of the family's init, which reaps
     it when it ends: a closed fork child never lingers as a zombie of a
-    still-running parent REPL (nor in its cgroup). The interpreter's own
-    before/after-fork hooks run around the raw clone just as os.fork() runs
-    them; the agent is single-threaded, so no libc lock can be held.
+    still-running parent REPL (nor in its cgroup).
     """
+    return fork_with(lambda: sysc.clone_fork(_CLONE_PARENT | signal.SIGCHLD))
+
+
+def fork_with(clone) -> int:
+    """Run ``clone()``, a raw fork of this process returning pid, 0 in the child, or
+    -errno, between the interpreter's own before/after-fork hooks, just as os.fork()
+    runs them; the agent is single-threaded, so no libc lock can be held."""
     _api.PyOS_BeforeFork()
-    pid = sysc.clone_fork(_CLONE_PARENT | signal.SIGCHLD)
+    pid = clone()
     if pid == 0:
         _api.PyOS_AfterFork_Child()
     else:

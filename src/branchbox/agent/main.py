@@ -14,6 +14,7 @@ import socket
 import types
 from collections.abc import Callable
 
+from .checkpointing import handle_checkpoint
 from .commands import Commands
 from .files import (
     Uploads,
@@ -85,6 +86,7 @@ def run(ctrl_fd: int) -> None:
     register_ops(agent, spawner=spawner_fd)
     agent.register("fork_slot", handle_fork_slot)
     agent.register("fork", handle_fork)
+    agent.register("checkpoint", handle_checkpoint)
     agent.register("drop_listener", handle_drop_listener)
     agent.register("sethostname", handle_sethostname)
     agent.register("configure", handle_configure)

@@ -99,12 +99,36 @@ def make_private(mappings: list[Shared], swap: bool) -> list[str]:
     return lost
 
 
+def _of_a_file(mapping: Shared) -> bool:
+    """Whether the mapping names a file a child's root may have (not an anonymous or
+    deleted mapping, not a ``/dev/shm`` block): a frozen layer keeps its content."""
+    path = mapping.path
+    return path.startswith("/") and not path.endswith(" (deleted)") \
+        and not path.startswith("/dev/")
+
+
+def instant_copies(mappings: list[Shared], swap: bool) -> list[int]:
+    """For a checkpoint (``agent.checkpointing``), made in the REPL before its fork: the
+    shared memory no file keeps, as ``bb_dormant.c`` takes it (start, length, prot,
+    number of runs, then (offset, size) per run of pages to copy), so the checkpoint
+    keeps that memory as it is at this instant, whatever the REPL writes to it later."""
+    words: list[int] = []
+    for mapping in mappings:
+        if _of_a_file(mapping):
+            continue  # a restore maps it again from the checkpoint's frozen layer
+        runs = _runs(mapping, swap)
+        words += [mapping.start, mapping.length, mapping.prot, len(runs)]
+        for offset, size in runs:
+            words += [offset, size]
+    return words
+
+
 def _remap_file(mapping: Shared) -> bool:
     """Map the same file of this child's own root over the mapping; False if there is none
     (an anonymous or deleted mapping, a ``/dev/shm`` block, not a regular file)."""
-    path = mapping.path
-    if not path.startswith("/") or path.endswith(" (deleted)") or path.startswith("/dev/"):
+    if not _of_a_file(mapping):
         return False
+    path = mapping.path
     flags = os.O_RDWR if mapping.prot & sysc.PROT_WRITE else os.O_RDONLY
     try:
         fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)  # a FIFO

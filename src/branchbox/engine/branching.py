@@ -29,6 +29,7 @@ from branchbox.engine.stopped import describe
 from branchbox.runtime import procfs
 from branchbox.runtime.cgroups import FreezeFailed, Limits
 from branchbox.runtime.channel import AgentChannel, AgentError
+from branchbox.runtime.dormant import Dormant
 from branchbox.runtime.fd_keeper import SIGNAL_LISTENER
 from branchbox.storage import layerdiff
 
@@ -74,56 +75,55 @@ class Branching:
         return children
 
     async def _fork_bodies(self, pbody: Body, channel: AgentChannel, owner: Live, n: int,
-                           **options) -> list[tuple[str, Body]]:
-        """:meth:`_fork_bodies_now` within the daemon's fork deadline: the forked body is
-        frozen and its sandbox locked meanwhile, whichever call (fork, checkpoint, a fork of
-        a checkpoint, restore) forks it."""
+                           *, timings: Live | None = None) -> list[tuple[str, Body]]:
+        """``n`` new bodies forked from ``pbody`` (whose REPL is ``channel``), each with a
+        fresh id and its network under ``owner``'s policy; not adopted. The body's
+        commands are frozen for the fork and thawed after it. ``timings`` gets the fork's
+        timings as its ``last_fork``."""
+        clock = _Phases()
+        return await self._within_deadline(self._fork_from_instant(
+            pbody, channel, owner, n, clock, timings))
+
+    async def _fork_from_instant(self, pbody: Body, channel: AgentChannel, owner: Live,
+                                 n: int, clock: _Phases,
+                                 timings: Live | None) -> list[tuple[str, Body]]:
+        async with self._instant(pbody, channel, clock) as (lowers, inherit):
+            return await self._make_bodies(_ReplSlots(channel, inherit), lowers, pbody.layers,
+                                           owner, n, clock=clock, timings=timings)
+
+    async def _wake_bodies(self, dormant: Dormant, stack: LayerStack, owner: Live,
+                           n: int) -> list[tuple[str, Body]]:
+        """``n`` new bodies forked from a checkpoint's process (``dormant``, whose frozen
+        layers are ``stack``'s), under ``owner``'s network policy; not adopted."""
+        return await self._within_deadline(self._make_bodies(
+            _WakeSlots(dormant), list(stack.frozen), stack, owner, n))
+
+    async def _within_deadline(self, making):
+        """Await ``making`` (bodies being made) within the daemon's fork deadline: the
+        forked body is frozen and its sandbox locked meanwhile, whichever call (fork,
+        checkpoint, a fork of a checkpoint, restore) makes them."""
         deadline = self.config.fork_deadline
         try:
             async with asyncio.timeout(deadline):
-                return await self._fork_bodies_now(pbody, channel, owner, n, **options)
+                return await making
         except TimeoutError:
             raise errors.SandboxTimeout(
                 f"a fork did not finish within {deadline:g} s (the REPL did not answer); "
                 "nothing was made") from None
 
-    async def _fork_bodies_now(self, pbody: Body, channel: AgentChannel, owner: Live, n: int,
-                               *, timings: Live | None = None,
-                               thaw_cmds: bool = True,
-                               network: bool = True) -> list[tuple[str, Body]]:
-        """``n`` new bodies forked from ``pbody`` (whose REPL is ``channel``; the body of
-        ``owner`` or of one of its checkpoints), each with a fresh id and its network under
-        ``owner``'s policy: a namespace its family made ahead, or one plugged after the
-        child's hello; not adopted.
-
-        Pipelined: the REPL forks child k as soon as its slot arrives, so child k sets
-        itself up while the daemon prepares child k+1. All children still come from one
-        instant: the REPL runs nothing else between the slots, and they share one frozen
-        layer. The body's commands are frozen for the fork and thawed after it unless
-        ``thaw_cmds`` is False (a checkpoint's must never run). ``network=False`` leaves
-        the bodies without a port (a checkpoint never speaks; what is forked from it
-        gets one). ``timings`` gets the fork's timings as its ``last_fork``."""
-        started = time.perf_counter()
-        meta = owner.record.meta
-        family = owner.family.family if network and owner.family.family.netns_maker else None
-        phases: dict[str, float] = {}  # where the fork's time went, in order (seconds)
-        mark = [started]
-
-        def phase(name: str) -> None:
-            now = time.perf_counter()
-            phases[name] = now - mark[0]
-            mark[0] = now
-
+    @contextlib.asynccontextmanager
+    async def _instant(self, pbody: Body, channel: AgentChannel,
+                       clock: _Phases | None = None) -> AsyncIterator[tuple[list, dict]]:
+        """One instant of ``pbody`` to fork from: its commands frozen (until the block
+        ends), its layer frozen into a new lower layer (squashed with the others when
+        the chain is too long), and what its REPL holds read from the host's /proc
+        (fds, shared memory, threads: ``_inherit``). Yields (lowers, inherit); a fresh
+        layer no body took is dropped after."""
+        clock = clock or _Phases()
         pbody.cgroup.freeze("cmds")
         if os.environ.get(FORK_FAULT_ENV) == "frozen":
             os.kill(os.getpid(), signal.SIGKILL)
-        made: list[tuple[str, Body]] = []
         fresh: list[FrozenLayer] = []
-        pending: list = []  # each slot's answer, then each child's hello
-        net_steps: list[dict] = []  # per child: its network's steps (ns), networking.attach
-        hellos: list = []  # wrapped by _networked: closed too if it never ran
-        running: list[asyncio.Future] = []  # pending, once gathered
-        batch_open = False
         try:
             fresh.append(await asyncio.to_thread(self.layers.freeze, pbody.layers,
                                                     pbody.cgroup))
@@ -131,30 +131,56 @@ class Branching:
             if len(lowers) > MAX_CHAIN:
                 fresh.append(await asyncio.to_thread(self.layers.squash, lowers))
                 lowers = [fresh[-1]]
-            limits = self._limits(meta.get("memory_mb"))
-            phase("freeze")  # the commands frozen, the parent's layer frozen (a snapshot)
+            clock.mark("freeze")  # the commands frozen, the parent's layer frozen (a snapshot)
             if pbody.repl_host is None:  # a body keeps its REPL: look it up once
                 repl = await channel.call("ping")
                 pbody.repl_host = procfs.find_repl(pbody.cgroup.pids(), int(repl.get("pid") or 0))
             inherit = await asyncio.to_thread(_inherit, pbody.repl_host)
-            phase("inherit")  # the REPL's fds, mappings and threads read from the host's /proc
+            clock.mark("inherit")  # the REPL's fds, mappings and threads read from /proc
+            yield lowers, inherit
+        finally:
+            for layer in fresh:
+                if layer.refs == 0:  # unused: squashed away, or nothing was made
+                    self.layers.drop(layer)
+            pbody.cgroup.freeze("cmds", frozen=False)
+
+    async def _make_bodies(self, slots: _ReplSlots | _WakeSlots, lowers: list[FrozenLayer],
+                           stack: LayerStack, owner: Live, n: int, *,
+                           clock: _Phases | None = None,
+                           timings: Live | None = None) -> list[tuple[str, Body]]:
+        """``n`` new bodies over ``lowers`` (and ``stack``'s base and workspace), forked by
+        ``slots`` (a REPL, or a checkpoint woken), each with a fresh id and its network
+        under ``owner``'s policy: a namespace its family made ahead, or one plugged after
+        the child's hello; not adopted.
+
+        Pipelined: child k is forked as soon as its slot arrives, so it sets itself up
+        while the daemon prepares child k+1. All children still come from one instant:
+        the forking process runs nothing else between the slots, and they share one set
+        of frozen layers."""
+        clock = clock or _Phases()
+        meta = owner.record.meta
+        family = owner.family.family if owner.family.family.netns_maker else None
+        made: list[tuple[str, Body]] = []
+        pending: list = []  # each slot's answer, then each child's hello
+        net_steps: list[dict] = []  # per child: its network's steps (ns), networking.attach
+        hellos: list = []  # wrapped by _networked: closed too if it never ran
+        running: list[asyncio.Future] = []  # pending, once gathered
+        limits = self._limits(meta.get("memory_mb"))
+        try:
             for _ in range(n):
-                sid, body = self._prepare_child(lowers, pbody.layers, limits)
+                sid, body = self._prepare_child(lowers, stack, limits)
                 made.append((sid, body))
-                batch_open = True
                 took = time.perf_counter_ns()
                 netns = self.net.take_made(body.key, family.ident) if family else None
                 took = time.perf_counter_ns() - took
-                answer, hello = await self._send_slot(channel, sid, body, inherit, netns)
-                inherit = None
+                answer, hello = await self._send_slot(slots, sid, body, netns)
                 hellos.append(hello)
                 if netns is not None:  # joined in the child: nothing left to do here
                     net_steps.append({"take": took})
-                pending += [answer, self._networked(hello, body, net_steps)
-                            if network and netns is None else hello]
-            batch_open = False
-            forked = await channel.call("fork")
-            phase("slots")  # children's volumes and cgroups made, slots sent, REPL forked
+                pending += [answer, hello if netns is not None
+                            else self._networked(hello, body, net_steps)]
+            forked = await slots.end()
+            clock.mark("slots")  # children's volumes and cgroups made, slots sent, forked
             running = [asyncio.ensure_future(p) for p in pending]
             try:
                 answers = await asyncio.wait_for(asyncio.gather(*running),
@@ -162,26 +188,25 @@ class Branching:
             except TimeoutError:
                 raise errors.EngineError("fork failed: the children did not report within "
                                          f"{self.config.spawn_timeout:.0f} s") from None
-            phase("children")  # the children entering their sandboxes, hellos, networks
+            clock.mark("children")  # the children entering their sandboxes, hellos, networks
             for (_, body), hello in zip(made, answers[1::2], strict=True):
                 if hello.get("signal_listener") is not None:
                     await self._take_signal_listener(body, hello)
             policy_ns = time.perf_counter_ns()
-            if network:
-                self.net.apply([body.key for _, body in made], meta.get("network")
-                               or self.net.policy_of(None, None))
+            self.net.apply([body.key for _, body in made], meta.get("network")
+                           or self.net.policy_of(None, None))
             policy_ns = time.perf_counter_ns() - policy_ns
-            phase("finish")  # signal listeners taken, egress policy applied
+            clock.mark("finish")  # signal listeners taken, egress policy applied
             if timings is not None:
-                steps = {"policy": policy_ns} if network else {}
+                steps = {"policy": policy_ns}
                 for child in net_steps:
                     for step, ns in child.items():
                         steps[step] = steps.get(step, 0) + ns
                 timings.last_fork = {"n": n, "repl_paused": forked.get("paused"),
-                                     "total": time.perf_counter() - started,
+                                     "total": time.perf_counter() - clock.started,
                                      "network": sum(steps.values()) / 1e9,
                                      "network_steps": {k: v / 1e9 for k, v in steps.items()},
-                                     "phases": phases}
+                                     "phases": clock.phases}
         except BaseException as exc:
             # The other children's hellos still run when one failed: stopped before their
             # channels close (or their readers fail unobserved); what never ran is closed.
@@ -192,9 +217,7 @@ class Branching:
                 if asyncio.iscoroutine(coro) and \
                         inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
                     coro.close()
-            if batch_open:  # let the REPL leave its fork batch (if it answers at all)
-                with contextlib.suppress(AgentError, ChannelClosed, OSError, TimeoutError):
-                    await asyncio.wait_for(channel.call("fork"), _LEAVE_BATCH)
+            await slots.abandon()
             for _, body in made:
                 await self._destroy_body(body)
             if isinstance(exc, AgentError):
@@ -204,12 +227,6 @@ class Branching:
                     "fork failed: a child died while entering its sandbox"
                 ) from None
             raise
-        finally:
-            for layer in fresh:
-                if layer.refs == 0:  # unused: squashed away, or the fork failed
-                    self.layers.drop(layer)
-            if thaw_cmds:
-                pbody.cgroup.freeze("cmds", frozen=False)
         self.net.refill_soon()  # leases for the next fork, after this one's answer
         self.ready_cgroups.want(limits, n)  # and cgroups
         if family is not None:  # and namespaces for the family's next one
@@ -289,13 +306,12 @@ class Branching:
         self.signal_guard.serve(listener, SIGNAL_LISTENER + body.key)
         await body.channel.call("drop_listener")
 
-    async def _send_slot(self, channel: AgentChannel, sid: str, body: Body,
-                         inherit: dict | None, netns: int | None):
-        """Hand the REPL a child's root, control socket, network namespace to join (made
-        ahead; consumed) if any, cgroup fds and extra mounts; it forks the child on
-        receipt. The first slot of a fork also carries ``inherit`` (the REPL's fds, see
-        runtime.procfs). Returns two awaitables: the REPL's answer, and the child's hello
-        (request 0 on its own channel: ready, or why its set-up failed)."""
+    async def _send_slot(self, slots: _ReplSlots | _WakeSlots, sid: str, body: Body,
+                         netns: int | None):
+        """Hand the forking process a child's root, control socket, network namespace to
+        join (made ahead; consumed) if any, cgroup fds and extra mounts; it forks the
+        child on receipt. Returns two awaitables: the fork's answer, and the child's
+        hello (request 0 on its own channel: ready, or why its set-up failed)."""
         fds = [] if netns is None else [netns]  # all closed here, whatever happens
         theirs = hello = None
         try:
@@ -310,14 +326,10 @@ class Branching:
             mounts = body.layers.mounts()
             fds += [fd for fd, _ in mounts]
             fds.insert(0, body.layers.tree())
-            rid, queue = channel.open_request()
-            slot = {"op": "fork_slot", "rid": rid, "id": sid, "nrepl": len(repl_fds),
-                    "ncmds": len(cmds_fds), "netns": bool(joined),
-                    "mounts": [path for _, path in mounts]}
-            if inherit is not None:
-                slot["inherit"] = inherit
-            await channel.send(slot, fds=[fds[0], theirs.fileno(), *fds[1:]])
-            return _drain(channel.events(rid, queue)), hello
+            slot = {"id": sid, "nrepl": len(repl_fds), "ncmds": len(cmds_fds),
+                    "netns": bool(joined), "mounts": [path for _, path in mounts]}
+            answer = await slots.send(slot, [fds[0], theirs.fileno(), *fds[1:]])
+            return answer, hello
         except BaseException:
             if hello is not None:
                 hello.close()
@@ -328,7 +340,6 @@ class Branching:
             for fd in fds:
                 os.close(fd)
 
-    # --------------------------------------------------------------------- merge
     def _fork_point(self, parent: Live, winner: Live) -> int:
         """The parent generation ``winner``'s line was forked at; raises if not a descendant."""
         node = winner.id
@@ -441,6 +452,65 @@ class Branching:
             raise errors.SandboxTimeout(f"diff failed: {exc}; pass narrower paths") from None
         except layerdiff.DiffBusy as exc:
             raise errors.Conflict(f"diff refused: {exc}") from None
+
+
+class _Phases:
+    """Where a fork's time went, phase by phase, in order (seconds)."""
+
+    def __init__(self) -> None:
+        self.started = self._last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = now - self._last
+        self._last = now
+
+
+class _ReplSlots:
+    """Fork slots sent to a REPL, which forks a child per slot (``agent.forking``); the
+    first carries what the REPL holds (``inherit``), "fork" ends the batch."""
+
+    def __init__(self, channel: AgentChannel, inherit: dict) -> None:
+        self.channel = channel
+        self.inherit: dict | None = inherit
+        self.open = False
+
+    async def send(self, slot: dict, fds: list[int]):
+        self.open = True  # from here on the REPL may be in a batch, even if the send fails
+        rid, queue = self.channel.open_request()
+        header = {"op": "fork_slot", "rid": rid, **slot}
+        if self.inherit is not None:
+            header["inherit"], self.inherit = self.inherit, None
+        await self.channel.send(header, fds=fds)
+        return _drain(self.channel.events(rid, queue))
+
+    async def end(self) -> dict:
+        self.open = False
+        return await self.channel.call("fork")
+
+    async def abandon(self) -> None:
+        """Let the REPL leave its fork batch after a failure (if it answers at all)."""
+        if self.open:
+            with contextlib.suppress(AgentError, ChannelClosed, OSError, TimeoutError):
+                await asyncio.wait_for(self.channel.call("fork"), _LEAVE_BATCH)
+
+
+class _WakeSlots:
+    """Fork slots sent to a checkpoint's process, which forks a child per slot
+    (``runtime.dormant``); nothing opens or ends a batch there."""
+
+    def __init__(self, dormant: Dormant) -> None:
+        self.dormant = dormant
+
+    async def send(self, slot: dict, fds: list[int]):
+        return self.dormant.wake(slot, fds)
+
+    async def end(self) -> dict:
+        return {}
+
+    async def abandon(self) -> None:
+        return None
 
 
 async def _drain(events: AsyncIterator) -> None:

@@ -1,17 +1,19 @@
-"""Checkpoints: frozen instants of a sandbox (memory and files) to go back to or branch from.
+"""Checkpoints: instants of a sandbox (memory and files) to go back to or branch from.
 
-A checkpoint is a fork child of the sandbox that never runs. It is made by the
-fork path (so its memory shares the sandbox's pages copy-on-write and its files
-stack on the frozen layer that fork took) and frozen whole in its cgroup right
-after its hello; it is kept apart from the live sandboxes (no id a client can
-run code in). ``restore(cp)`` forks the checkpoint once more, its REPL thawed
-for that fork alone and its commands never, and rebinds the sandbox's id to the
-copy exactly as ``merge_into`` rebinds it to a winner (same id, same address,
-old body released); the checkpoint itself stays for later restores and for
-``fork``. A sandbox's checkpoints end with it (close, or its id retired by a
-merge into its parent). They count against the family's limit of checkpoints
-(``EngineConfig.max_checkpoints``), and each one's cgroup has the sandbox's
-memory limit.
+A checkpoint is a fork of the sandbox's REPL that runs nothing
+(``agent/checkpointing.py``, ``agent/bb_dormant.c``): its memory is the REPL's
+pages shared copy-on-write, its files stack on a layer frozen at that instant
+(as a fork's do), and it sits in its own cgroup waiting on a socket
+(``runtime.dormant``), kept apart from the live sandboxes (no id a client can
+run code in). Since it runs no Python, it copies no page of its own: it costs
+the pages the sandbox changes after it. ``restore(cp)`` wakes it: it forks
+once more, that process enters a new body as a fork child does, and the
+sandbox's id is rebound to it exactly as ``merge_into`` rebinds it to a winner
+(same id, same address, old body released); the checkpoint itself stays for
+later restores and for ``fork``. A sandbox's checkpoints end with it (close,
+or its id retired by a merge into its parent). They count against the
+family's limit of checkpoints (``EngineConfig.max_checkpoints``), and each
+one's cgroup has the sandbox's memory limit.
 """
 
 from __future__ import annotations
@@ -19,15 +21,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
+import socket
 from dataclasses import dataclass, field
 
+from branchbox.agent.protocol import ChannelClosed
 from branchbox.engine import errors
 from branchbox.engine.live import Body, Live
 from branchbox.engine.pausing import refuse_paused
 from branchbox.engine.records import SandboxRecord
 from branchbox.engine.stopped import describe
 from branchbox.runtime.cgroups import FreezeFailed
+from branchbox.runtime.channel import AgentChannel, AgentError
+from branchbox.runtime.dormant import Dormant
 
 log = logging.getLogger("branchbox.engine")
 
@@ -101,15 +108,12 @@ class Checkpoints:
         try:
             channel = self._check_alive(sb)
             try:
-                ((_, body),) = await self._fork_bodies(sb.body, channel, sb, 1,
-                                                       network=False)
+                body = await self._within_deadline(self._checkpoint_body(sb, channel))
             except FreezeFailed as exc:
                 raise errors.Conflict(f"checkpoint failed: {exc}") from None
-            try:
-                await self._hold_frozen(body)
-            except BaseException:
-                await self._destroy_body(body)
-                raise
+            except (AgentError, ChannelClosed) as exc:
+                why = exc.message if isinstance(exc, AgentError) else "the REPL died"
+                raise errors.EngineError(f"checkpoint failed: {why}") from None
             record = SandboxRecord(
                 id="cp_" + secrets.token_hex(16), family=sb.record.family, instance=body.key,
                 image=sb.record.image, parent_id=sb.id, state=CHECKPOINT,
@@ -124,23 +128,51 @@ class Checkpoints:
         finally:
             self._unlock(sb)  # once the REPL is done with calls given up on
 
-    async def _copy_checkpoint(self, cp: Checkpoint, sb: Live, n: int) -> list[tuple[str, Body]]:
-        """``n`` running bodies forked from the checkpoint. Only its REPL thaws, for the
-        fork; its commands stay frozen throughout (their leaf is frozen on its own
-        first), so the checkpoint stays the instant it was."""
-        cgroup = cp.body.cgroup
+    async def _checkpoint_body(self, sb: Live, channel: AgentChannel) -> Body:
+        """The body of a new checkpoint of ``sb``: volumes over a layer frozen now, a
+        cgroup, and the REPL forked into it (``agent.checkpointing``), in place."""
+        limits = self._limits(sb.record.meta.get("memory_mb"))
+        async with self._instant(sb.body, channel) as (lowers, inherit):
+            _, body = self._prepare_child(lowers, sb.body.layers, limits)
+            try:
+                body.channel = await self._fork_dormant(channel, body, inherit)
+            except BaseException:
+                await self._destroy_body(body)
+                raise
+        return body
+
+    @staticmethod
+    async def _fork_dormant(channel: AgentChannel, body: Body, inherit: dict) -> Dormant:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        dormant = Dormant(ours)
+        join = body.cgroup.join_fds("repl")
         try:
-            await asyncio.to_thread(cgroup.freeze, "cmds")
-            await asyncio.to_thread(cgroup.freeze, None, False)
-            channel = cp.body.channel
-            if channel is None or channel.closed.is_set():
-                raise errors.ReplGone(f"checkpoint {cp.id} is gone (its REPL was killed)")
-            return await self._fork_bodies(cp.body, channel, sb, n, thaw_cmds=False)
-        except FreezeFailed as exc:
-            raise errors.Conflict(f"checkpoint {cp.id}: {exc}") from None
-        finally:
-            with contextlib.suppress(FreezeFailed):
-                await asyncio.to_thread(cgroup.freeze)
+            try:
+                await channel.call("checkpoint", {"inherit": inherit, "njoin": len(join)},
+                                   fds=[theirs.fileno(), *join])
+            finally:
+                theirs.close()
+                for fd in join:
+                    os.close(fd)
+            await dormant.ready()
+        except BaseException:
+            await dormant.close()
+            raise
+        return dormant
+
+    async def _copy_checkpoint(self, cp: Checkpoint, sb: Live, n: int) -> list[tuple[str, Body]]:
+        """``n`` running bodies forked from the checkpoint (it is woken once per body and
+        goes back to waiting: it stays the instant it was)."""
+        dormant = cp.body.channel
+        gone = errors.ReplGone(f"checkpoint {cp.id} is gone (its process was killed)")
+        if dormant is None or dormant.gone:
+            raise gone
+        try:
+            return await self._wake_bodies(dormant, cp.body.layers, sb, n)
+        except errors.EngineError:
+            if dormant.gone:
+                raise gone from None
+            raise
 
     async def restore(self, sandbox_id: str, checkpoint_id: str) -> None:
         """The sandbox becomes the checkpoint's instant again: same id and address, its

@@ -18,6 +18,7 @@ from branchbox.engine.layers import (
 from branchbox.engine.records import SandboxRecord
 from branchbox.runtime.cgroups import SandboxCgroup
 from branchbox.runtime.channel import AgentChannel
+from branchbox.runtime.dormant import Dormant
 from branchbox.runtime.family import Family
 
 
@@ -33,16 +34,17 @@ class FamilyHandle:
 
 @dataclass(eq=False)
 class Body:
-    """What serves a sandbox right now: layers, cgroup, REPL channel."""
+    """What serves a sandbox right now: layers, cgroup, REPL channel (or what holds a
+    checkpoint: its process's socket instead)."""
 
     key: str
     layers: LayerStack
     cgroup: SandboxCgroup
-    channel: AgentChannel | None = None
+    channel: AgentChannel | Dormant | None = None
     repl_host: int | None = None  # the REPL's host pid, once found (a fork, its network)
     stopped: str | None = None  # why the daemon killed its processes (engine.run_guard)
     killing: asyncio.Future | None = None  # that kill, until every process is gone
-    held_frozen: bool = False  # paused or a checkpoint: the thaw guard leaves it frozen
+    held_frozen: bool = False  # paused: the thaw guard leaves it frozen
 
 
 @dataclass(eq=False)

@@ -26,9 +26,10 @@ adopted), launchers of families left without sandboxes, links, leases.
 
 Not kept across a restart: a call under way at the kill (its client gets a
 broken connection; its output is dropped, the REPL finishes it on its own) and
-the idle clock (it starts again). Paused sandboxes and checkpoints stay frozen
-while no daemon runs (the thaw guard thaws only what was frozen for a moment);
-each is thawed here for its ping, then frozen again.
+the idle clock (it starts again). Paused sandboxes stay frozen while no daemon
+runs (the thaw guard thaws only what was frozen for a moment); each is thawed
+here for its ping, then frozen again. A checkpoint's process runs nothing
+(engine.checkpoints): asked whether it is alive, it answers from where it waits.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from branchbox.engine.pausing import PAUSED
 from branchbox.engine.records import SandboxRecord
 from branchbox.runtime.cgroups import FreezeFailed, SandboxCgroup
 from branchbox.runtime.channel import AgentChannel, AgentError
+from branchbox.runtime.dormant import Dormant
 from branchbox.runtime.family import Family
 from branchbox.runtime.fd_keeper import SIGNAL_LISTENER
 
@@ -65,7 +67,7 @@ _ATTACHABLE = ("ready", PAUSED, CHECKPOINT)
 @dataclass(eq=False)
 class Survivor:
     record: SandboxRecord
-    channel: AgentChannel
+    channel: AgentChannel | Dormant
     cgroup: SandboxCgroup
     family: Family
 
@@ -137,13 +139,15 @@ class Reattach:
     @staticmethod
     async def _answers(rec: SandboxRecord, sock: socket.socket, cgroup: SandboxCgroup,
                        family: Family) -> Survivor | None:
-        channel = AgentChannel(sock, resumed=True)
+        channel = Dormant(sock) if rec.state == CHECKPOINT else AgentChannel(sock, resumed=True)
         try:
-            if rec.state in (PAUSED, CHECKPOINT):  # left frozen by the thaw guard
-                if rec.state == CHECKPOINT:  # its commands stay frozen: it is an instant
-                    await asyncio.to_thread(cgroup.freeze, "cmds")
-                await asyncio.to_thread(cgroup.freeze, None, False)  # for the ping
-            await asyncio.wait_for(channel.call("ping"), PING_WAIT)
+            if isinstance(channel, Dormant):  # a checkpoint's process: alive, or gone
+                if not await asyncio.wait_for(channel.alive(), PING_WAIT):
+                    raise ChannelClosed("its process is gone")
+            else:
+                if rec.state == PAUSED:  # left frozen by the thaw guard
+                    await asyncio.to_thread(cgroup.freeze, None, False)  # for the ping
+                await asyncio.wait_for(channel.call("ping"), PING_WAIT)
             return Survivor(rec, channel, cgroup, family)
         except (TimeoutError, AgentError, ChannelClosed, OSError, FreezeFailed) as exc:
             log.warning("sandbox %s did not answer after the restart (%s): stopped", rec.id,
@@ -182,8 +186,6 @@ class Reattach:
                 continue
             body = Body(rec.instance, stack, s.cgroup, s.channel)
             if rec.state == CHECKPOINT:
-                with contextlib.suppress(FreezeFailed):  # an instant: it must not run
-                    await self._hold_frozen(body)
                 self._checkpoints[sid] = Checkpoint(rec, body)
                 continue
             handle = handles.get(s.family.ident)

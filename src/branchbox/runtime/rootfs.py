@@ -83,7 +83,7 @@ def prepare_agent_layer(data_dir: Path, *, in_use: bool) -> Path:
     shows as nobody's inside and nothing in a sandbox can change it, even through its
     host path.
     """
-    sources = sorted([*_AGENT_SOURCE.glob("*.py"), _AGENT_SOURCE / "bb_init.c"])
+    sources = sorted([*_AGENT_SOURCE.glob("*.py"), *_AGENT_SOURCE.glob("*.c")])
     digest = hashlib.sha256(sys.implementation.cache_tag.encode())  # its byte-code's tag
     for src in sources:
         digest.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
@@ -101,7 +101,9 @@ def prepare_agent_layer(data_dir: Path, *, in_use: bool) -> Path:
     for src in _AGENT_SOURCE.glob("*.py"):
         shutil.copy2(src, top / "bbagent" / src.name)
     _compile_agent(top / "bbagent")
-    _compile_init(top / "bb-init")
+    _compile_c("bb_init.c", top / "bb-init", ["-static"])
+    _compile_c("bb_dormant.c", top / "bb-dormant.so",
+               ["-shared", "-fPIC", "-nostdlib", "-fno-builtin", "-fno-stack-protector"])
     for mountpoint in ("root", "oldroot", "proc"):
         (top / mountpoint).mkdir()
     tmp.chmod(0o755)
@@ -124,14 +126,15 @@ def _compile_agent(package: Path) -> None:
         raise RuntimeError(f"compiling the agent in {package} failed")
 
 
-def _compile_init(dest: Path) -> None:
-    """Build Q's init (agent/bb_init.c) as a static binary, so it runs on any image."""
-    source = _AGENT_SOURCE / "bb_init.c"
-    cmd = ["gcc", "-static", "-Os", "-s", "-o", str(dest), str(source)]
+def _compile_c(name: str, dest: Path, flags: list[str]) -> None:
+    """Build a part of the agent written in C: Q's init (``bb_init.c``, static) and the
+    checkpoints' library (``bb_dormant.c``, without libc): both run on any image."""
+    source = _AGENT_SOURCE / name
+    cmd = ["gcc", *flags, "-Os", "-s", "-o", str(dest), str(source)]
     try:
         subprocess.run(cmd, check=True, capture_output=True, text=True)
     except FileNotFoundError as exc:
-        raise RuntimeError("gcc is needed to build the sandbox init (apt install gcc "
+        raise RuntimeError("gcc is needed to build the sandbox's agent (apt install gcc "
                            "libc6-dev)") from exc
     except subprocess.CalledProcessError as exc:
         raise RuntimeError(f"building {source} failed:\n{exc.stderr}") from exc

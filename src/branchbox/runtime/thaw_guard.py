@@ -10,7 +10,7 @@ So the daemon starts this small process at start-up, holding the write end of a
 pipe whose read end is this process's stdin (close-on-exec in the daemon, so no
 sandbox process keeps it open). The daemon writes the host directory of every
 commit it begins there, one JSON string a line, and the cgroups that must stay
-frozen (paused sandboxes, checkpoints: ``{"hold": key}`` / ``{"release": key}``).
+frozen (paused sandboxes: ``{"hold": key}`` / ``{"release": key}``).
 When the read returns end-of-file the daemon is gone, and this process thaws every
 other cgroup of the daemon's group (:func:`branchbox.runtime.cgroups.thaw_leftovers`;
 a paused sandbox stays paused until a later daemon re-attaches to it or reaps it),
@@ -115,7 +115,7 @@ class ThawGuard:
         self._tell(str(host))
 
     def hold_frozen(self, key: str, frozen: bool = True) -> None:
-        """Sandbox cgroup ``key`` is frozen on purpose (paused, a checkpoint): the guard
+        """Sandbox cgroup ``key`` is frozen on purpose (paused): the guard
         leaves it frozen (or, with ``frozen=False``, no longer does)."""
         if frozen:
             self._held.add(key)

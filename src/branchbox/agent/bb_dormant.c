@@ -1,0 +1,212 @@
+/*
+ * bb-dormant: a checkpoint that runs nothing (loaded by the REPL as
+ * /.branchbox/bb-dormant.so, see agent/checkpointing.py).
+ *
+ * A checkpoint is a fork of the REPL kept for later: a restore or a fork of
+ * the checkpoint forks it again. If that kept process ran Python after its
+ * fork, every object it touched would copy a page (reference counts live in
+ * the objects), a few MiB per checkpoint. So the fork is made here, in C,
+ * and the kept process never returns to the interpreter: it moves itself
+ * into the checkpoint's cgroup, makes shared anonymous memory its own (so
+ * the parent's later writes to it do not change the instant), points every
+ * inherited fd at /dev/null (it must hold nothing of its parent: a socket
+ * kept open here would hide the parent's end from the daemon), says it is
+ * ready, and then only waits on its socket. Each message it receives is a
+ * wake: it forks once more, and that process returns to Python with the
+ * message and its fds, to become a sandbox as any fork child does.
+ *
+ * No libc: raw system calls only, so the library loads into any image's
+ * python3 (as bb-init runs on any image, being static).
+ *
+ * Protocol on SOCK (SOCK_SEQPACKET, the daemon at the other end), each
+ * answer 8 bytes (a native int64):
+ *   - after set-up: 0 (ready) or -errno (and the process exits);
+ *   - a 1-byte message "?": 0 (alive);
+ *   - any other message (up to BUF_MAX bytes, up to FDS_MAX fds): the pid of
+ *     the woken process, or -errno if it could not be forked;
+ *   - end of file: the process exits.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/mman.h>
+#include <sched.h>
+#include <signal.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+
+#define BUF_MAX 65536
+#define FDS_MAX 64
+
+static long sys6(long n, long a, long b, long c, long d, long e, long f) {
+#if defined(__x86_64__)
+    register long r10 __asm__("r10") = d;
+    register long r8 __asm__("r8") = e;
+    register long r9 __asm__("r9") = f;
+    long ret;
+    __asm__ volatile("syscall"
+                     : "=a"(ret)
+                     : "a"(n), "D"(a), "S"(b), "d"(c), "r"(r10), "r"(r8), "r"(r9)
+                     : "rcx", "r11", "memory");
+    return ret;
+#elif defined(__aarch64__)
+    register long x8 __asm__("x8") = n;
+    register long x0 __asm__("x0") = a;
+    register long x1 __asm__("x1") = b;
+    register long x2 __asm__("x2") = c;
+    register long x3 __asm__("x3") = d;
+    register long x4 __asm__("x4") = e;
+    register long x5 __asm__("x5") = f;
+    __asm__ volatile("svc 0"
+                     : "+r"(x0)
+                     : "r"(x8), "r"(x1), "r"(x2), "r"(x3), "r"(x4), "r"(x5)
+                     : "memory");
+    return x0;
+#else
+#error "bb-dormant supports x86_64 and aarch64"
+#endif
+}
+
+#define SYS(n, a, b, c) sys6(SYS_##n, (long)(a), (long)(b), (long)(c), 0, 0, 0)
+
+static void copy_bytes(char *dst, const char *src, unsigned long n) {
+    /* volatile: no compiler turns this loop back into a call to libc's memcpy */
+    volatile char *d = dst;
+    while (n--)
+        *d++ = *src++;
+}
+
+static void answer(int sock, int64_t value) {
+    SYS(sendto, sock, &value, sizeof value);
+}
+
+static __attribute__((noreturn)) void quit(int sock, long err) {
+    answer(sock, err);
+    for (;;)
+        SYS(exit_group, 1, 0, 0);
+}
+
+/* Clone with fork semantics, child of our parent (the family's init reaps it). */
+static long fork_flat(void) {
+    return sys6(SYS_clone, CLONE_PARENT | SIGCHLD, 0, 0, 0, 0, 0);
+}
+
+/*
+ * COPIES: for each shared mapping to make our own, the words
+ *   start, length, prot, nruns, then nruns pairs (offset, size)
+ * of the runs of pages to copy (the caller found them: pages in memory).
+ */
+static long make_private(const unsigned long *copies, long words) {
+    long i = 0;
+    while (i + 4 <= words) {
+        unsigned long start = copies[i], length = copies[i + 1];
+        long prot = (long)copies[i + 2], nruns = (long)copies[i + 3];
+        i += 4;
+        if (nruns < 0 || i + 2 * nruns > words)
+            return -EINVAL;
+        long fresh = sys6(SYS_mmap, 0, length, PROT_READ | PROT_WRITE,
+                          MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+        if (fresh < 0 && fresh > -4096)
+            return fresh;
+        int readable = (prot & PROT_READ) ||
+                       SYS(mprotect, start, length, prot | PROT_READ) == 0;
+        for (long r = 0; r < nruns && readable; r++) {
+            unsigned long offset = copies[i + 2 * r], size = copies[i + 2 * r + 1];
+            if (offset < length && size <= length - offset)
+                copy_bytes((char *)fresh + offset, (const char *)start + offset, size);
+        }
+        i += 2 * nruns;
+        if (prot != (PROT_READ | PROT_WRITE))
+            SYS(mprotect, fresh, length, prot);
+        long moved = sys6(SYS_mremap, fresh, length, length,
+                          MREMAP_MAYMOVE | MREMAP_FIXED, start, 0);
+        if (moved < 0 && moved > -4096)
+            return moved;
+    }
+    return 0;
+}
+
+/* Wait for wakes; returns (0) only in a process forked for one. */
+static long serve(int sock, char *buf, long cap, int *fds, int maxfds, long *got) {
+    static char message[BUF_MAX];
+    union {
+        struct cmsghdr align;
+        char space[CMSG_SPACE(sizeof(int) * FDS_MAX)];
+    } control;
+    for (;;) {
+        struct iovec iov = {message, sizeof message};
+        struct msghdr msg = {0};
+        msg.msg_iov = &iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.space;
+        msg.msg_controllen = sizeof control.space;
+        long n = SYS(recvmsg, sock, &msg, MSG_CMSG_CLOEXEC);
+        if (n == -EINTR)
+            continue;
+        if (n <= 0)
+            for (;;)
+                SYS(exit_group, 0, 0, 0);
+        int nfds = 0, *passed = NULL;
+        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+        if (c && c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+            passed = (int *)CMSG_DATA(c);
+            nfds = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+        }
+        long pid;
+        if (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC) || n > cap || nfds > maxfds)
+            pid = -EMSGSIZE;
+        else if (n == 1 && message[0] == '?' && nfds == 0)
+            pid = 0;
+        else
+            pid = fork_flat();
+        if (pid == 0 && !(n == 1 && message[0] == '?')) {
+            copy_bytes(buf, message, (unsigned long)n);
+            for (int k = 0; k < nfds; k++)
+                fds[k] = passed[k];
+            got[0] = n;
+            got[1] = nfds;
+            return 0;
+        }
+        for (int k = 0; k < nfds; k++)
+            SYS(close, passed[k], 0, 0);
+        answer(sock, pid);
+    }
+}
+
+/*
+ * Called by the REPL (single-threaded, the interpreter's before-fork hooks
+ * run). Returns here with the checkpoint's pid, or -errno; and, in every
+ * process forked from the checkpoint for a wake, 0, with the wake's message
+ * in BUF (got[0] bytes) and its fds in FDS (got[1] of them).
+ *
+ * JOIN: cgroup.procs fds of the checkpoint's cgroups (written "0", closed).
+ * NULLIFY: every other fd the REPL holds (from 3 up), pointed at /dev/null.
+ */
+long bb_dormant(int sock, const int *join, int njoin, const int *nullify, int nnull,
+                const unsigned long *copies, long words,
+                char *buf, long cap, int *fds, int maxfds, long *got) {
+    long pid = fork_flat();
+    if (pid != 0)
+        return pid;
+    for (int k = 0; k < njoin; k++) {
+        long err = SYS(write, join[k], "0", 1);
+        if (err < 0)
+            quit(sock, err);
+        SYS(close, join[k], 0, 0);
+    }
+    long err = make_private(copies, words);
+    if (err < 0)
+        quit(sock, err);
+    long null = sys6(SYS_openat, AT_FDCWD, (long)"/dev/null", O_RDWR | O_CLOEXEC, 0, 0, 0);
+    if (null < 0)
+        quit(sock, null);
+    for (int k = 0; k < nnull; k++)
+        if (nullify[k] != sock && nullify[k] != null && nullify[k] > 2)
+            SYS(dup3, null, nullify[k], O_CLOEXEC);
+    SYS(close, null, 0, 0);
+    answer(sock, 0);
+    return serve(sock, buf, cap, fds, maxfds, got);
+}
