@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import platform
+import signal
+import time
 from pathlib import Path
 
 import httpx
@@ -29,13 +31,17 @@ _RECVMSG = {"x86_64": 47, "aarch64": 212}[platform.machine()]
 
 def waiting(cgroup) -> None:
     """A checkpoint runs nothing and holds nothing of its sandbox: its cgroup has one
-    process, asleep in recvmsg on its one socket, every other fd /dev/null."""
+    process, asleep in recvmsg on its one socket, every other fd /dev/null. (It said it
+    was ready just before it went to wait: a busy machine may show it on its way.)"""
     (pid,) = cgroup.pids()
     proc = Path(f"/proc/{pid}")
-    status = dict(line.split(":\t", 1) for line in
-                  (proc / "status").read_text().splitlines() if ":\t" in line)
-    assert status["State"].startswith("S"), status["State"]
-    assert int((proc / "syscall").read_text().split()[0]) == _RECVMSG
+    for _ in range(200):
+        state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        call = (proc / "syscall").read_text().split()[0]
+        if state == "S" and call == str(_RECVMSG):
+            break
+        time.sleep(0.01)
+    assert (state, call) == ("S", str(_RECVMSG))
     targets = [os.readlink(fd) for fd in (proc / "fd").iterdir()]
     assert sum(t.startswith("socket:") for t in targets) == 1, targets
     assert all(t.startswith("socket:") or t == "/dev/null" for t in targets), targets
@@ -128,6 +134,47 @@ def test_a_sandbox_whose_repl_died_can_be_restored(harness, make) -> None:
         sb.run_code("import os; os._exit(3)")
     sb.restore(cp)
     assert sb.run_code("z").text == "'alive'"
+
+
+def test_a_checkpoint_keeps_its_instant_of_shared_memory_and_listening_sockets(make) -> None:
+    """Shared memory the sandbox writes after the checkpoint is not the checkpoint's (its
+    process copied it), and a socket listening then listens again after a restore, in the
+    restored body's own network, though the sandbox closed it meanwhile."""
+    sb = make()
+    sb.run_code("import mmap, socket\n"
+                "shm = mmap.mmap(-1, 1 << 20)\n"
+                "shm[:6] = b'before'\n"
+                "srv = socket.socket()\n"
+                "srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+                "srv.bind(('0.0.0.0', 8765)); srv.listen()")
+    cp = sb.checkpoint()
+    sb.run_code("shm[:6] = b'after!'; srv.close()")
+    for _ in range(2):
+        sb.restore(cp)
+        assert sb.run_code("bytes(shm[:6])").text == "b'before'"
+        sb.exec("python3 -c \"import socket; "
+                "socket.create_connection(('127.0.0.1', 8765)).sendall(b'hi')\"")
+        assert sb.run_code("c, _ = srv.accept(); c.recv(2)").text == "b'hi'"
+        sb.run_code("shm[:6] = b'later!'")  # the next restore is the instant again
+
+
+def test_a_checkpoint_whose_process_was_killed_is_gone(harness, make) -> None:
+    sb = make()
+    sb.run_code("z = 'kept'")
+    cp = sb.checkpoint()
+    (pid,) = harness.engine._checkpoints[cp.id].body.cgroup.pids()
+    os.kill(pid, signal.SIGKILL)
+    for _ in range(200):  # until the kernel has reaped it
+        if not Path(f"/proc/{pid}").exists():
+            break
+        time.sleep(0.01)
+    with pytest.raises(ReplGone):
+        sb.restore(cp)
+    with pytest.raises(ReplGone):
+        cp.fork(2)
+    assert sb.run_code("z").text == "'kept'"  # the sandbox itself is untouched
+    cp.delete()
+    assert sb.checkpoints() == []
 
 
 def test_limits_and_errors(harness, make) -> None:

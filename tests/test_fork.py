@@ -141,7 +141,7 @@ def test_a_fork_reports_where_its_time_went(sandbox) -> None:
     kids = sandbox.fork(2)
     last = sandbox.info()["last_fork"]
     phases = last["phases"]
-    assert list(phases) == ["freeze", "inherit", "slots", "children", "finish"]
+    assert list(phases) == ["instant", "layer", "slots", "children", "finish"]
     assert all(v >= 0 for v in phases.values())
     assert sum(phases.values()) <= last["total"] + 1e-6
     close_all(kids)

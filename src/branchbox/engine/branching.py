@@ -88,15 +88,18 @@ class Branching:
                                  n: int, clock: _Phases,
                                  timings: Live | None) -> list[tuple[str, Body]]:
         async with self._instant(pbody, channel, clock) as (lowers, inherit):
-            return await self._make_bodies(_ReplSlots(channel, inherit), lowers, pbody.layers,
+            frozen = await lowers
+            clock.mark("layer")  # the rest of the parent's layer snapshot
+            return await self._make_bodies(_ReplSlots(channel, inherit), frozen, pbody.layers,
                                            owner, n, clock=clock, timings=timings)
 
-    async def _wake_bodies(self, dormant: Dormant, stack: LayerStack, owner: Live,
-                           n: int) -> list[tuple[str, Body]]:
+    async def _wake_bodies(self, dormant: Dormant, stack: LayerStack, owner: Live, n: int,
+                           hostname: str | None = None) -> list[tuple[str, Body]]:
         """``n`` new bodies forked from a checkpoint's process (``dormant``, whose frozen
-        layers are ``stack``'s), under ``owner``'s network policy; not adopted."""
+        layers are ``stack``'s), under ``owner``'s network policy; not adopted. A body
+        that will serve an existing id (a restore) is named ``hostname`` at once."""
         return await self._within_deadline(self._make_bodies(
-            _WakeSlots(dormant), list(stack.frozen), stack, owner, n))
+            _WakeSlots(dormant), list(stack.frozen), stack, owner, n, hostname=hostname))
 
     async def _within_deadline(self, making):
         """Await ``making`` (bodies being made) within the daemon's fork deadline: the
@@ -112,42 +115,54 @@ class Branching:
                 "nothing was made") from None
 
     @contextlib.asynccontextmanager
-    async def _instant(self, pbody: Body, channel: AgentChannel,
-                       clock: _Phases | None = None) -> AsyncIterator[tuple[list, dict]]:
+    async def _instant(self, pbody: Body, channel: AgentChannel, clock: _Phases | None = None
+                       ) -> AsyncIterator[tuple[asyncio.Future, dict]]:
         """One instant of ``pbody`` to fork from: its commands frozen (until the block
         ends), its layer frozen into a new lower layer (squashed with the others when
-        the chain is too long), and what its REPL holds read from the host's /proc
-        (fds, shared memory, threads: ``_inherit``). Yields (lowers, inherit); a fresh
-        layer no body took is dropped after."""
+        the chain is too long) while what its REPL holds is read from the host's /proc
+        (fds, shared memory, threads: ``_inherit``). Yields (lowers, inherit), ``lowers``
+        a future: on btrfs, whose snapshot is one atomic instant whatever runs, a caller
+        may fork the REPL while the layer is being frozen (the REPL runs nothing else and
+        the commands are frozen: it is the same instant). A fresh layer no body took is
+        dropped after."""
         clock = clock or _Phases()
         pbody.cgroup.freeze("cmds")
         if os.environ.get(FORK_FAULT_ENV) == "frozen":
             os.kill(os.getpid(), signal.SIGKILL)
         fresh: list[FrozenLayer] = []
+        lowers = asyncio.ensure_future(self._frozen_lowers(pbody, fresh))
         try:
-            fresh.append(await asyncio.to_thread(self.layers.freeze, pbody.layers,
-                                                    pbody.cgroup))
-            lowers = [fresh[0], *pbody.layers.frozen]
-            if len(lowers) > MAX_CHAIN:
-                fresh.append(await asyncio.to_thread(self.layers.squash, lowers))
-                lowers = [fresh[-1]]
-            clock.mark("freeze")  # the commands frozen, the parent's layer frozen (a snapshot)
+            if self.layers.backend.name != "btrfs":  # a copy freezes the whole sandbox
+                await lowers
             if pbody.repl_host is None:  # a body keeps its REPL: look it up once
                 repl = await channel.call("ping")
                 pbody.repl_host = procfs.find_repl(pbody.cgroup.pids(), int(repl.get("pid") or 0))
             inherit = await asyncio.to_thread(_inherit, pbody.repl_host)
-            clock.mark("inherit")  # the REPL's fds, mappings and threads read from /proc
+            clock.mark("instant")  # commands frozen, what the REPL holds read from /proc
             yield lowers, inherit
         finally:
+            await asyncio.wait([lowers])  # a layer made meanwhile is in ``fresh``
+            if not lowers.cancelled():
+                lowers.exception()  # seen here: the caller got it if it awaited it
             for layer in fresh:
                 if layer.refs == 0:  # unused: squashed away, or nothing was made
                     self.layers.drop(layer)
             pbody.cgroup.freeze("cmds", frozen=False)
 
+    async def _frozen_lowers(self, pbody: Body, fresh: list[FrozenLayer]) -> list[FrozenLayer]:
+        """``pbody``'s lower layers for its children: its layer frozen now on top of its
+        frozen ones, squashed into one past MAX_CHAIN; each new layer goes in ``fresh``."""
+        fresh.append(await asyncio.to_thread(self.layers.freeze, pbody.layers, pbody.cgroup))
+        lowers = [fresh[0], *pbody.layers.frozen]
+        if len(lowers) > MAX_CHAIN:
+            fresh.append(await asyncio.to_thread(self.layers.squash, lowers))
+            lowers = [fresh[-1]]
+        return lowers
+
     async def _make_bodies(self, slots: _ReplSlots | _WakeSlots, lowers: list[FrozenLayer],
                            stack: LayerStack, owner: Live, n: int, *,
-                           clock: _Phases | None = None,
-                           timings: Live | None = None) -> list[tuple[str, Body]]:
+                           clock: _Phases | None = None, timings: Live | None = None,
+                           hostname: str | None = None) -> list[tuple[str, Body]]:
         """``n`` new bodies over ``lowers`` (and ``stack``'s base and workspace), forked by
         ``slots`` (a REPL, or a checkpoint woken), each with a fresh id and its network
         under ``owner``'s policy: a namespace its family made ahead, or one plugged after
@@ -173,7 +188,7 @@ class Branching:
                 took = time.perf_counter_ns()
                 netns = self.net.take_made(body.key, family.ident) if family else None
                 took = time.perf_counter_ns() - took
-                answer, hello = await self._send_slot(slots, sid, body, netns)
+                answer, hello = await self._send_slot(slots, hostname or sid, body, netns)
                 hellos.append(hello)
                 if netns is not None:  # joined in the child: nothing left to do here
                     net_steps.append({"take": took})
@@ -306,12 +321,13 @@ class Branching:
         self.signal_guard.serve(listener, SIGNAL_LISTENER + body.key)
         await body.channel.call("drop_listener")
 
-    async def _send_slot(self, slots: _ReplSlots | _WakeSlots, sid: str, body: Body,
+    async def _send_slot(self, slots: _ReplSlots | _WakeSlots, hostname: str, body: Body,
                          netns: int | None):
-        """Hand the forking process a child's root, control socket, network namespace to
-        join (made ahead; consumed) if any, cgroup fds and extra mounts; it forks the
-        child on receipt. Returns two awaitables: the fork's answer, and the child's
-        hello (request 0 on its own channel: ready, or why its set-up failed)."""
+        """Hand the forking process a child's hostname (its id), root, control socket,
+        network namespace to join (made ahead; consumed) if any, cgroup fds and extra
+        mounts; it forks the child on receipt. Returns two awaitables: the fork's answer,
+        and the child's hello (request 0 on its own channel: ready, or why its set-up
+        failed)."""
         fds = [] if netns is None else [netns]  # all closed here, whatever happens
         theirs = hello = None
         try:
@@ -326,7 +342,7 @@ class Branching:
             mounts = body.layers.mounts()
             fds += [fd for fd, _ in mounts]
             fds.insert(0, body.layers.tree())
-            slot = {"id": sid, "nrepl": len(repl_fds), "ncmds": len(cmds_fds),
+            slot = {"id": hostname, "nrepl": len(repl_fds), "ncmds": len(cmds_fds),
                     "netns": bool(joined), "mounts": [path for _, path in mounts]}
             answer = await slots.send(slot, [fds[0], theirs.fileno(), *fds[1:]])
             return answer, hello
@@ -417,13 +433,14 @@ class Branching:
         self.records.put(sb.record)
         self._keep_channels([sb.body])
 
-    async def _take_over(self, sb: Live, old: Body) -> None:
-        """Finish a rebind (recorded already): watch and name the new body, give it the
-        id's address; the old body is killed and freed in the background (the caller
-        returns now)."""
+    async def _take_over(self, sb: Live, old: Body, *, named: bool = False) -> None:
+        """Finish a rebind (recorded already): watch the new body, name it (unless it is
+        ``named`` already), give it the id's address; the old body is killed and freed in
+        the background (the caller returns now)."""
         self._watch_body(sb)
-        with contextlib.suppress(errors.EngineError, AgentError, ChannelClosed):
-            await sb.body.channel.call("sethostname", {"hostname": sb.id})
+        if not named:
+            with contextlib.suppress(errors.EngineError, AgentError, ChannelClosed):
+                await sb.body.channel.call("sethostname", {"hostname": sb.id})
         await self.net.hand_over(sb.body.key, old.key, sb.body.cgroup)
         self._retire(old)
 

@@ -32,7 +32,7 @@ from branchbox.engine.live import Body, Live
 from branchbox.engine.pausing import refuse_paused
 from branchbox.engine.records import SandboxRecord
 from branchbox.engine.stopped import describe
-from branchbox.runtime.cgroups import FreezeFailed
+from branchbox.runtime.cgroups import FreezeFailed, SandboxCgroup
 from branchbox.runtime.channel import AgentChannel, AgentError
 from branchbox.runtime.dormant import Dormant
 
@@ -129,23 +129,32 @@ class Checkpoints:
             self._unlock(sb)  # once the REPL is done with calls given up on
 
     async def _checkpoint_body(self, sb: Live, channel: AgentChannel) -> Body:
-        """The body of a new checkpoint of ``sb``: volumes over a layer frozen now, a
-        cgroup, and the REPL forked into it (``agent.checkpointing``), in place."""
+        """The body of a new checkpoint of ``sb``: a cgroup, the REPL forked into it
+        (``agent.checkpointing``), and volumes over a layer frozen at the same instant."""
         limits = self._limits(sb.record.meta.get("memory_mb"))
         async with self._instant(sb.body, channel) as (lowers, inherit):
-            _, body = self._prepare_child(lowers, sb.body.layers, limits)
+            cgroup = self.ready_cgroups.take(limits)
             try:
-                body.channel = await self._fork_dormant(channel, body, inherit)
+                dormant = await self._fork_dormant(channel, cgroup, inherit)
             except BaseException:
-                await self._destroy_body(body)
+                await asyncio.to_thread(cgroup.remove)
                 raise
-        return body
+            try:
+                stack = self.layers.new_stack(await lowers, sb.body.layers.base,
+                                              sb.body.layers.workspace, ids=sb.body.layers.ids)
+            except BaseException:
+                await dormant.close()
+                await asyncio.to_thread(cgroup.remove)
+                raise
+        self.ready_cgroups.want(limits, 1)  # the next checkpoint's (or fork child's)
+        return Body(cgroup.name, stack, cgroup, dormant)
 
     @staticmethod
-    async def _fork_dormant(channel: AgentChannel, body: Body, inherit: dict) -> Dormant:
+    async def _fork_dormant(channel: AgentChannel, cgroup: SandboxCgroup,
+                            inherit: dict) -> Dormant:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         dormant = Dormant(ours)
-        join = body.cgroup.join_fds("repl")
+        join = cgroup.join_fds("repl")
         try:
             try:
                 await channel.call("checkpoint", {"inherit": inherit, "njoin": len(join)},
@@ -160,15 +169,16 @@ class Checkpoints:
             raise
         return dormant
 
-    async def _copy_checkpoint(self, cp: Checkpoint, sb: Live, n: int) -> list[tuple[str, Body]]:
+    async def _copy_checkpoint(self, cp: Checkpoint, sb: Live, n: int,
+                               hostname: str | None = None) -> list[tuple[str, Body]]:
         """``n`` running bodies forked from the checkpoint (it is woken once per body and
-        goes back to waiting: it stays the instant it was)."""
+        goes back to waiting: it stays the instant it was), named ``hostname`` if given."""
         dormant = cp.body.channel
         gone = errors.ReplGone(f"checkpoint {cp.id} is gone (its process was killed)")
         if dormant is None or dormant.gone:
             raise gone
         try:
-            return await self._wake_bodies(dormant, cp.body.layers, sb, n)
+            return await self._wake_bodies(dormant, cp.body.layers, sb, n, hostname)
         except errors.EngineError:
             if dormant.gone:
                 raise gone from None
@@ -186,10 +196,10 @@ class Checkpoints:
                 refuse_paused(sb)
                 if self.live.get(sandbox_id) is not sb or checkpoint_id not in self._checkpoints:
                     raise errors.SandboxNotFound()  # closed or deleted while we waited
-                ((_, body),) = await self._copy_checkpoint(cp, sb, 1)
+                ((_, body),) = await self._copy_checkpoint(cp, sb, 1, hostname=sb.id)
             old = self._rebind(sb, body)
             self._record_rebind(sb)
-            await self._take_over(sb, old)
+            await self._take_over(sb, old, named=True)
             self.events.publish("restore", sb.record, checkpoint=checkpoint_id)
         finally:
             self._unlock(sb)  # once the REPL is done with calls given up on

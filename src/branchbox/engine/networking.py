@@ -403,15 +403,14 @@ class SandboxNetwork:
             return
         policy = self.policies.pop(old.address, None)
         fw = self.net.firewall
-        fw.remove_ports([(old.name, old.mac, old.address)])
         fw.clear_policy(won.address, self.policies.pop(won.address, None))
-        fw.remove_ports([(won.name, won.mac, won.address)])
         # The old port is not deleted here: deleting a veth waits for RCU grace periods
         # (~20 ms, and the netlink helper is serial). It is out of the firewall already, so
         # nothing it sends gets through, and the kernel deletes the pair when the old body's
         # namespace dies (its processes are being killed now).
         previous, won.address = won.address, old.address
-        fw.add_ports([(won.name, won.mac, won.address)])
+        fw.replace_ports([(old.name, old.mac, old.address), (won.name, won.mac, previous)],
+                         [(won.name, won.mac, won.address)])
         self._free(previous)
         self.db.execute("UPDATE net_leases SET body = ?, port = ? WHERE address = ?",
                         (winner_key, won.name, won.address))

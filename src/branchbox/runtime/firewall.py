@@ -135,6 +135,16 @@ table inet {t} {{
             with contextlib.suppress(NftError):
                 self.nft.run([self._port("delete", [port])])
 
+    def replace_ports(self, gone: list[tuple[str, str, str]],
+                      added: list[tuple[str, str, str]]) -> None:
+        """Remove ``gone`` and admit ``added`` in one transaction (each is a round trip
+        to the kernel); one by one if an element of ``gone`` is missing already."""
+        try:
+            self.nft.run([self._port("delete", gone), self._port("add", added)])
+        except NftError:
+            self.remove_ports(gone)
+            self.add_ports(added)
+
     # ---------------------------------------------------------------- policies
     @staticmethod
     def verdict_of(policy: dict) -> str | None:
