@@ -29,11 +29,16 @@ STATE = "import os; (x, os.environ.get('FOO'), os.getcwd())"
 _RECVMSG = {"x86_64": 47, "aarch64": 212}[platform.machine()]
 
 
-def waiting(cgroup) -> None:
+def waiting(cgroup, sandbox_cgroup) -> None:
     """A checkpoint runs nothing and holds nothing of its sandbox: its cgroup has one
-    process, asleep in recvmsg on its one socket, every other fd /dev/null. (It said it
-    was ready just before it went to wait: a busy machine may show it on its way.)"""
+    process, asleep in recvmsg on its one socket, every other fd /dev/null, in
+    namespaces and a root of its own. (It said it was ready just before it went to
+    wait: a busy machine may show it on its way.)"""
     (pid,) = cgroup.pids()
+    repl = Path(f"/proc/{min(sandbox_cgroup.pids())}")
+    for ns in ("mnt", "net", "ipc", "uts"):
+        assert os.readlink(f"/proc/{pid}/ns/{ns}") != os.readlink(repl / "ns" / ns), ns
+    assert os.stat(f"/proc/{pid}/root/").st_dev != os.stat(repl / "root/").st_dev
     proc = Path(f"/proc/{pid}")
     for _ in range(200):
         state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -54,7 +59,7 @@ def test_restore_round_trips_memory_files_env_and_cwd(harness, make) -> None:
     ip = sb.ip
     cp = sb.checkpoint("after-setup")
     assert cp.name == "after-setup" and cp.id.startswith("cp_")
-    waiting(harness.engine._checkpoints[cp.id].body.cgroup)
+    waiting(harness.engine._checkpoints[cp.id].body.cgroup, harness.engine.live[sb.id].body.cgroup)
 
     for _ in range(2):  # the checkpoint stays: restore it twice
         sb.run_code("x.append(4); os.environ['FOO'] = 'after'; os.chdir('/')")

@@ -291,3 +291,17 @@ def test_a_deleted_file_mapping_keeps_its_data_in_a_child(make) -> None:
         "(b'000007', b'000007')"
     child.run_code("gone[:6] = b'child!'")
     assert parent.run_code("bytes(gone[:6])").text == "b'000007'"
+
+
+def test_a_parent_cannot_hand_its_branches_a_shared_file_as_a_device(make) -> None:
+    """A child's /dev binds its parent's device nodes: a parent that bound one of its own
+    files over /dev/null (its /dev is its own to change) would give every branch that
+    file, one file they all write. A node that is not the device is refused instead."""
+    sb = make()
+    assert sb.exec("echo mine > /root/f && mount --bind /root/f /dev/null").exit_code == 0
+    with pytest.raises(SandboxError, match="/dev/null is not the device"):
+        sb.fork(2)
+    assert sb.files.read("/root/f") == b"mine\n"
+    assert sb.exec("umount -l /dev/null").exit_code == 0
+    (kid,) = sb.fork(1)
+    assert kid.exec("echo x > /dev/null && cat /dev/null").stdout == ""

@@ -38,7 +38,7 @@ def _bb_dormant():
         fn = ctypes.PyDLL(_LIBRARY).bb_dormant
         fn.restype = ctypes.c_long
         fn.argtypes = [ctypes.c_int, _P(ctypes.c_int), ctypes.c_int, _P(ctypes.c_int),
-                       ctypes.c_int, _P(ctypes.c_ulong), ctypes.c_long, ctypes.c_char_p,
+                       ctypes.c_int, _P(ctypes.c_long), ctypes.c_long, ctypes.c_char_p,
                        ctypes.c_long, _P(ctypes.c_int), ctypes.c_int, _P(ctypes.c_long)]
         _dormant = fn
     return _dormant
@@ -63,30 +63,33 @@ def handle_checkpoint(agent, req: dict, payload: bytes, fds: list[int]) -> None:
         received = (ctypes.c_int * _FDS_MAX)()
         got = (ctypes.c_long * 2)()
         call = _bb_dormant()
-        pid = forking.fork_with(lambda: call(
-            sock, _ints(ctypes.c_int, join), len(join), _ints(ctypes.c_int, held), len(held),
-            _ints(ctypes.c_ulong, copies), len(copies), message, _MESSAGE_MAX, received,
-            _FDS_MAX, got))
+        # Everything built before the fork: nothing is allocated between the
+        # interpreter's before-fork hooks and the clone.
+        args = (sock, _ints(ctypes.c_int, join), len(join), _ints(ctypes.c_int, held),
+                len(held), _ints(ctypes.c_long, copies), len(copies), message, _MESSAGE_MAX,
+                received, _FDS_MAX, got)
+        pid = forking.fork_with(lambda: call(*args))
     except BaseException:
         for fd in fds:
             os.close(fd)
         raise
     if pid == 0:  # woken, long after: a restore or a fork of the checkpoint
-        _wake(agent, batch, sock, message.raw[:got[0]], list(received[:got[1]]))
+        _wake(agent, batch, message.raw[:got[0]], list(received[:got[1]]))
         return  # back to the request loop, on the new sandbox's own socket
     for fd in fds:
         os.close(fd)
     agent.done(req["rid"], {"pid": pid})
 
 
-def _wake(agent, batch, sock: int, message: bytes, fds: list[int]) -> None:
+def _wake(agent, batch, message: bytes, fds: list[int]) -> None:
     """Become the sandbox the wake's slot describes; a slot that does not parse ends this
-    process (its control socket closes, which the daemon reads as a failed child)."""
-    os.close(sock)
+    process (its control socket closes, which the daemon reads as a failed child). The
+    checkpoint's socket is closed already (bb_dormant.c)."""
     try:
         slot = forking.slot_from(json.loads(message), fds)
     except ValueError:
         slot = None
     if slot is None:
         os._exit(70)
+    batch.copied = True
     forking.become_child(agent, slot, batch)

@@ -40,6 +40,7 @@ import fcntl
 import os
 import signal
 import socket
+import stat
 import struct
 
 from . import confine, sysc
@@ -47,7 +48,9 @@ from . import confine, sysc
 AGENT_DIR = "/.branchbox"  # the agent layer's directory inside every sandbox root
 OLD_ROOT = AGENT_DIR + "/oldroot"  # where pivot_root parks the previous root
 ATTACH = AGENT_DIR + "/root"  # where a fork child attaches its new tree before pivoting
-_DEVICES = ("null", "zero", "full", "random", "urandom")
+# The character devices a sandbox's /dev binds, by minor number (major 1: mem devices).
+_DEVICES = {"null": 3, "zero": 5, "full": 7, "random": 8, "urandom": 9}
+_AT_EMPTY_PATH = 0x1000
 _SIOCSIFFLAGS = 0x8914
 _IFF_UP_LOOPBACK_RUNNING = 0x1 | 0x8 | 0x40
 
@@ -85,11 +88,10 @@ def reap_forever() -> None:
 def _mount_dev(root: str) -> None:
     dev = root + "/dev"
     sysc.mount("tmpfs", dev, "tmpfs", sysc.MS_NOSUID | sysc.MS_NOEXEC, "mode=755,size=65536k")
-    for name in _DEVICES:
+    for name, minor in _DEVICES.items():
         target = f"{dev}/{name}"
         os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o666))
-        # mknod is refused in a user namespace; a bind of the existing node is not.
-        sysc.mount(f"/dev/{name}", target, None, sysc.MS_BIND)
+        _bind_device(f"/dev/{name}", minor, target)
     os.mkdir(dev + "/pts")
     sysc.mount(
         "devpts",
@@ -106,6 +108,27 @@ def _mount_dev(root: str) -> None:
     for i, name in enumerate(("stdin", "stdout", "stderr")):
         os.symlink(f"/proc/self/fd/{i}", f"{dev}/{name}")
     os.symlink("/proc/self/fd", dev + "/fd")
+
+
+def _bind_device(path: str, minor: int, target: str) -> None:
+    """Bind the device node at ``path`` (in the current root) onto ``target``, if it is
+    that character device; checked and bound through one fd, so nothing can swap it in
+    between. mknod is refused in a user namespace; a bind of an existing node is not.
+    The node is the parent's (or the host's, for a family's first sandbox): a parent's
+    /dev is its own to change, and an ordinary file bound there would be one file that
+    all its branches share."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISCHR(st.st_mode) or st.st_rdev != os.makedev(1, minor):
+            raise OSError(errno.ENODEV, f"{path} is not the device it should be")
+        tree = sysc.open_tree("", sysc.OPEN_TREE_CLONE | _AT_EMPTY_PATH | os.O_CLOEXEC, fd)
+    finally:
+        os.close(fd)
+    try:
+        sysc.move_mount_fd(tree, target)
+    finally:
+        os.close(tree)
 
 
 class Entered:

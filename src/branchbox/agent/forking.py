@@ -80,6 +80,7 @@ class _Batch:
         self.swap = swap
         self.cwd = cwd
         self.pids: list[int] = []
+        self.copied = False  # its anonymous shared memory copied already (bb_dormant.c)
 
     @property
     def warning(self) -> str | None:
@@ -291,21 +292,25 @@ def describe_listeners(fds: list[int]) -> list[_Listener]:
     found = []
     for fd in fds:
         try:
-            old = socket.socket(fileno=fd)
+            blocking, inheritable = os.get_blocking(fd), os.get_inheritable(fd)
+            old = socket.socket(fileno=fd)  # sets O_NONBLOCK if a default timeout is set
         except OSError:
             continue
         try:
-            listener = _describe(old, fd)
+            listener = _describe(old, fd, blocking, inheritable)
         except OSError:
             listener = None
         finally:
             old.detach()  # the number stays the parent's
+            with contextlib.suppress(OSError):
+                os.set_blocking(fd, blocking)  # as the parent had it
         if listener is not None:
             found.append(listener)
     return found
 
 
-def _describe(old: socket.socket, fd: int) -> _Listener | None:
+def _describe(old: socket.socket, fd: int, blocking: bool,
+              inheritable: bool) -> _Listener | None:
     family, kind = old.family, old.type
     if family not in (socket.AF_INET, socket.AF_INET6) or \
             kind not in (socket.SOCK_STREAM, socket.SOCK_DGRAM):
@@ -329,8 +334,7 @@ def _describe(old: socket.socket, fd: int) -> _Listener | None:
     for level, name in [*_SOCKOPTS, *([_V6ONLY] if family == socket.AF_INET6 else [])]:
         with contextlib.suppress(OSError):
             options.append((level, name, old.getsockopt(level, name)))
-    return _Listener(fd, family, kind, address, options, os.get_blocking(fd),
-                     os.get_inheritable(fd))
+    return _Listener(fd, family, kind, address, options, blocking, inheritable)
 
 
 def relisten(listeners: list[_Listener]) -> list[_Listener]:
@@ -405,7 +409,7 @@ def become_child(agent, slot: _Slot, batch: _Batch) -> None:
         relistened = relisten(batch.listeners)
         made = {listener.fd for listener in relistened}
         closed = [fd for fd in batch.close if fd not in made]
-        zeroed = private_memory.make_private(batch.shared, batch.swap)
+        zeroed = private_memory.make_private(batch.shared, batch.swap, copied=batch.copied)
         STATE.warning = _child_warning(batch.warning, relistened, closed, batch.shared, zeroed)
         ctrl = socket.socket(fileno=slot.ctrl)
         agent.reset_after_fork(ctrl)

@@ -81,13 +81,14 @@ def plan(entries: list) -> list[Shared]:
     return found
 
 
-def make_private(mappings: list[Shared], swap: bool) -> list[str]:
+def make_private(mappings: list[Shared], swap: bool, *, copied: bool = False) -> list[str]:
     """Replace every mapping in ``mappings`` with memory of this process's own (this
-    process: a fork child, single-threaded, in its own root). Returns the warnings: the
-    mappings that could only be replaced by zeros."""
+    process: a fork child, single-threaded, in its own root); with ``copied``, what no
+    file keeps is its own already. Returns the warnings: the mappings that could only be
+    replaced by zeros."""
     lost = []
     for mapping in mappings:
-        if _remap_file(mapping):
+        if _remap_file(mapping) or (copied and not _of_a_file(mapping)):
             continue
         try:
             _copy_anonymous(mapping, swap)
@@ -108,15 +109,21 @@ def _of_a_file(mapping: Shared) -> bool:
 
 
 def instant_copies(mappings: list[Shared], swap: bool) -> list[int]:
-    """For a checkpoint (``agent.checkpointing``), made in the REPL before its fork: the
-    shared memory no file keeps, as ``bb_dormant.c`` takes it (start, length, prot,
-    number of runs, then (offset, size) per run of pages to copy), so the checkpoint
-    keeps that memory as it is at this instant, whatever the REPL writes to it later."""
+    """For a checkpoint (``agent.checkpointing``), made in the REPL before its fork: its
+    shared memory as ``bb_dormant.c`` takes it. What no file keeps is copied (start,
+    length, prot, number of runs, then (offset, size) per run of pages), so the
+    checkpoint keeps that memory as it is at this instant, whatever the REPL writes to it
+    later; a file's mapping becomes a placeholder (start, length, prot, -1), mapped again
+    from the checkpoint's frozen layer when it is woken."""
     words: list[int] = []
     for mapping in mappings:
         if _of_a_file(mapping):
-            continue  # a restore maps it again from the checkpoint's frozen layer
-        runs = _runs(mapping, swap)
+            words += [mapping.start, mapping.length, mapping.prot, -1]
+            continue
+        try:
+            runs = _runs(mapping, swap)
+        except OSError:  # mincore refused: every page, then
+            runs = [(0, mapping.length)]
         words += [mapping.start, mapping.length, mapping.prot, len(runs)]
         for offset, size in runs:
             words += [offset, size]

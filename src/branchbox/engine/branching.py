@@ -88,7 +88,7 @@ class Branching:
                                  n: int, clock: _Phases,
                                  timings: Live | None) -> list[tuple[str, Body]]:
         async with self._instant(pbody, channel, clock) as (lowers, inherit):
-            frozen = await lowers
+            frozen = await asyncio.shield(lowers)  # a cancellation waits for it in _instant
             clock.mark("layer")  # the rest of the parent's layer snapshot
             return await self._make_bodies(_ReplSlots(channel, inherit), frozen, pbody.layers,
                                            owner, n, clock=clock, timings=timings)
@@ -102,17 +102,17 @@ class Branching:
             _WakeSlots(dormant), list(stack.frozen), stack, owner, n, hostname=hostname))
 
     async def _within_deadline(self, making):
-        """Await ``making`` (bodies being made) within the daemon's fork deadline: the
-        forked body is frozen and its sandbox locked meanwhile, whichever call (fork,
-        checkpoint, a fork of a checkpoint, restore) makes them."""
+        """Await ``making`` (bodies being made) within the daemon's fork deadline: a
+        sandbox is locked meanwhile (and its commands frozen, when its REPL is forked),
+        whichever call (fork, checkpoint, a fork of a checkpoint, restore) makes them."""
         deadline = self.config.fork_deadline
         try:
             async with asyncio.timeout(deadline):
                 return await making
         except TimeoutError:
             raise errors.SandboxTimeout(
-                f"a fork did not finish within {deadline:g} s (the REPL did not answer); "
-                "nothing was made") from None
+                f"a fork did not finish within {deadline:g} s (the process forked did not "
+                "answer); nothing was made") from None
 
     @contextlib.asynccontextmanager
     async def _instant(self, pbody: Body, channel: AgentChannel, clock: _Phases | None = None
@@ -133,7 +133,7 @@ class Branching:
         lowers = asyncio.ensure_future(self._frozen_lowers(pbody, fresh))
         try:
             if self.layers.backend.name != "btrfs":  # a copy freezes the whole sandbox
-                await lowers
+                await asyncio.shield(lowers)
             if pbody.repl_host is None:  # a body keeps its REPL: look it up once
                 repl = await channel.call("ping")
                 pbody.repl_host = procfs.find_repl(pbody.cgroup.pids(), int(repl.get("pid") or 0))
@@ -141,13 +141,13 @@ class Branching:
             clock.mark("instant")  # commands frozen, what the REPL holds read from /proc
             yield lowers, inherit
         finally:
-            await asyncio.wait([lowers])  # a layer made meanwhile is in ``fresh``
-            if not lowers.cancelled():
-                lowers.exception()  # seen here: the caller got it if it awaited it
+            interrupted = await _settled(lowers)  # a layer made meanwhile is in ``fresh``
             for layer in fresh:
                 if layer.refs == 0:  # unused: squashed away, or nothing was made
                     self.layers.drop(layer)
             pbody.cgroup.freeze("cmds", frozen=False)
+            if interrupted:
+                raise asyncio.CancelledError
 
     async def _frozen_lowers(self, pbody: Body, fresh: list[FrozenLayer]) -> list[FrozenLayer]:
         """``pbody``'s lower layers for its children: its layer frozen now on top of its
@@ -172,6 +172,8 @@ class Branching:
         while the daemon prepares child k+1. All children still come from one instant:
         the forking process runs nothing else between the slots, and they share one set
         of frozen layers."""
+        if hostname is not None and n != 1:
+            raise ValueError("one hostname names one body")
         clock = clock or _Phases()
         meta = owner.record.meta
         family = owner.family.family if owner.family.family.netns_maker else None
@@ -528,6 +530,21 @@ class _WakeSlots:
 
     async def abandon(self) -> None:
         return None
+
+
+async def _settled(task: asyncio.Future) -> bool:
+    """Wait until ``task`` has ended, through cancellations (a thread it waits for runs
+    on regardless); returns whether one came, for the caller to raise once it has
+    cleaned up. Its exception is seen here: whoever needed it got it by awaiting it."""
+    interrupted = False
+    while not task.done():
+        try:
+            await asyncio.wait([task])
+        except asyncio.CancelledError:
+            interrupted = True
+    if not task.cancelled():
+        task.exception()
+    return interrupted
 
 
 async def _drain(events: AsyncIterator) -> None:

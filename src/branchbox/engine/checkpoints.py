@@ -95,7 +95,8 @@ class Checkpoints:
                       key=lambda cp: cp.record.created)
 
     async def checkpoint(self, sandbox_id: str, name: str | None = None) -> Checkpoint:
-        """This instant of the sandbox (REPL memory, files, env, cwd), kept frozen."""
+        """This instant of the sandbox (REPL memory, files, env, cwd), kept by a process
+        that runs nothing."""
         _check_name(name)
         sb = self.get(sandbox_id)
         family = [cp for cp in self._checkpoints.values()
@@ -152,18 +153,26 @@ class Checkpoints:
     @staticmethod
     async def _fork_dormant(channel: AgentChannel, cgroup: SandboxCgroup,
                             inherit: dict) -> Dormant:
+        """The checkpoint's process, forked from the REPL (``channel``) into ``cgroup``,
+        once it says it is in place. A ChannelClosed from the REPL's call is the REPL's;
+        from the checkpoint's process, an AgentError."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         dormant = Dormant(ours)
-        join = cgroup.join_fds("repl")
+        join: list[int] = []
         try:
             try:
+                join = cgroup.join_fds("repl")
                 await channel.call("checkpoint", {"inherit": inherit, "njoin": len(join)},
                                    fds=[theirs.fileno(), *join])
             finally:
                 theirs.close()
                 for fd in join:
                     os.close(fd)
-            await dormant.ready()
+            try:
+                await dormant.ready()
+            except ChannelClosed:
+                raise AgentError("Internal", "the checkpoint's process died before it was "
+                                 "ready (its memory limit?)") from None
         except BaseException:
             await dormant.close()
             raise

@@ -38,7 +38,8 @@ class EngineConfig:
         default_factory=lambda: int(os.environ.get("BRANCHBOX_DISK_MB", str(DEFAULT_DISK_MB)))
     )
     pids_max: int = 1024
-    # Checkpoints a family may hold at once (each a frozen REPL process and a cgroup).
+    # Checkpoints a family may hold at once (each a process forked from a REPL that runs
+    # nothing, a cgroup and a frozen layer).
     max_checkpoints: int = field(
         default_factory=lambda: int(os.environ.get("BRANCHBOX_MAX_CHECKPOINTS", "256")))
     # How long a call waits for a sandbox busy with another before 409 (nothing waits on

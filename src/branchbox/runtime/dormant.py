@@ -4,8 +4,10 @@ A checkpoint runs no Python and speaks no agent protocol: it waits on a
 SOCK_SEQPACKET socket, and every message is a wake that it answers with one
 native int64 — the pid of the process it forked (which comes up as a fork
 child, hello on its own control socket), or -errno. "?" asks whether it is
-alive (answer 0). Its first answer, unasked, says it is in place (0) or why
-it is not (-errno). Answers come in order, so each waits in a queue.
+alive (answer ALIVE). Its first answer, unasked, says it is in place (0) or
+why it is not (-errno). Answers come in order, so each waits in a queue; a
+daemon that re-attaches may find answers to its predecessor's wakes first,
+which ``alive`` reads past.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from branchbox.runtime.channel import AgentError
 
 _ANSWER = struct.Struct("=q")
 MESSAGE_MAX = 65536  # bb_dormant.c's BUF_MAX
+ALIVE = 1 << 62  # bb_dormant.c's answer to "?"
 
 
 class Dormant:
@@ -77,7 +80,13 @@ class Dormant:
                 socket.send_fds(self.sock, [message], list(fds))
             else:
                 self.sock.send(message)
-        except OSError:  # gone, or its queue full: it reads each message as it comes
+        except BlockingIOError:  # it reads each message as it comes: it is stopped
+            self._waiting.remove(future)
+            if not self._waiting:
+                asyncio.get_running_loop().remove_reader(self.sock.fileno())
+            raise AgentError("Conflict", "the checkpoint's process is not reading (stopped?)"
+                             ) from None
+        except OSError:
             self._lose()
         return future
 
@@ -86,19 +95,23 @@ class Dormant:
         _check(await self._expect(), "the checkpoint could not be made")
 
     async def alive(self) -> bool:
+        """Whether it answers "?" (answers to wakes before it are read past)."""
         try:
-            return await self._send(b"?") == 0
-        except ChannelClosed:
+            answer = self._send(b"?")
+            while await answer != ALIVE:
+                answer = self._expect()
+            return True
+        except (ChannelClosed, AgentError):
             return False
 
-    def wake(self, slot: dict, fds: list[int]) -> asyncio.Future:
+    def wake(self, slot: dict, fds: list[int]):
         """Fork it once for a sandbox (``slot``: a fork slot's fields, ``fds``: its fds,
-        which stay the caller's to close); the answer, awaited later, is ``{"pid"}``."""
+        which stay the caller's to close). Returns a coroutine to await the answer with,
+        ``{"pid"}``."""
         message = json.dumps(slot, separators=(",", ":")).encode()
         if len(message) > MESSAGE_MAX:
             raise ValueError("a wake message is too long")
-        sent = self._send(message, fds)
-        return asyncio.ensure_future(_forked(sent))
+        return _forked(self._send(message, fds))
 
     async def close(self) -> None:
         """Let it go: at end of file it exits (the caller also kills its cgroup)."""

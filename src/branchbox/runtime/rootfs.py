@@ -103,7 +103,8 @@ def prepare_agent_layer(data_dir: Path, *, in_use: bool) -> Path:
     _compile_agent(top / "bbagent")
     _compile_c("bb_init.c", top / "bb-init", ["-static"])
     _compile_c("bb_dormant.c", top / "bb-dormant.so",
-               ["-shared", "-fPIC", "-nostdlib", "-fno-builtin", "-fno-stack-protector"])
+               ["-shared", "-fPIC", "-nostdlib", "-fno-builtin", "-fno-stack-protector",
+                "-Wl,-z,defs"])
     for mountpoint in ("root", "oldroot", "proc"):
         (top / mountpoint).mkdir()
     tmp.chmod(0o755)

@@ -35,7 +35,7 @@ class AsyncCheckpoint:
         return self.sandbox._children(reply)
 
     async def delete(self) -> None:
-        """Free the checkpoint (its frozen process and layers)."""
+        """Free the checkpoint (its process and layers)."""
         await self.sandbox._api.call("DELETE", self._url())
 
     def __repr__(self) -> str:
