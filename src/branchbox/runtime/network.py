@@ -290,10 +290,10 @@ class Network:
     async def readdress(self, netns_fd: int, old: str, new: str) -> None:
         try:
             await self.helper.call("readdr", [netns_fd], old=old, new=new,
-                                   prefix=self.subnet.prefixlen, gateway=self.gateway)
+                                   prefix=self.subnet.prefixlen, gateway=self.gateway,
+                                   bridge=self.bridge_index)
         finally:
             os.close(netns_fd)
-        await self.helper.call("forget_neighbour", bridge=self.bridge_index, address=new)
 
     async def unplug(self, ports: list[str]) -> None:
         if ports:
