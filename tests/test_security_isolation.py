@@ -305,3 +305,17 @@ def test_a_parent_cannot_hand_its_branches_a_shared_file_as_a_device(make) -> No
     assert sb.exec("umount -l /dev/null").exit_code == 0
     (kid,) = sb.fork(1)
     assert kid.exec("echo x > /dev/null && cat /dev/null").stdout == ""
+
+
+def test_a_hook_run_at_fork_keeps_no_channel_into_the_parent(make) -> None:
+    """An ``os.register_at_fork`` hook runs in each fork child before it enters its own
+    sandbox: a file it opens there is the parent's, and must not outlive the entry."""
+    sb = make()
+    sb.files.write("/root/secret", b"parent")
+    sb.run_code("import os\n_kept = []\n"
+                "os.register_at_fork(after_in_child=lambda: "
+                "_kept.append(os.open('/root/secret', os.O_WRONLY)))")
+    (kid,) = sb.fork(1)
+    kid.run_code("try:\n    os.write(_kept[0], b'CHILD!')\nexcept OSError:\n    pass")
+    assert sb.files.read("/root/secret") == b"parent"
+    assert kid.files.read("/root/secret") == b"parent"

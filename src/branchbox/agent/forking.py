@@ -406,6 +406,11 @@ def become_child(agent, slot: _Slot, batch: _Batch) -> None:
         STATE.batch = None
         os.chdir(batch.cwd)
         _reopen(batch.reopen, batch.close)
+        # Whatever else is open was opened after the daemon read the REPL's fds, in the
+        # parent's sandbox: by an os.register_at_fork hook (run in this process before
+        # it entered its own) or a thread of the parent. It would be a channel back.
+        entry.close_fds_except({slot.ctrl, STATE.spawner, STATE.listener, *agent.own_fds(),
+                                *batch.close, *(fd for fd, *_ in batch.reopen)})
         relistened = relisten(batch.listeners)
         made = {listener.fd for listener in relistened}
         closed = [fd for fd in batch.close if fd not in made]
