@@ -7,6 +7,8 @@ through the public SDK against real sandboxes.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from branchbox import Sandbox, SandboxError
@@ -319,3 +321,27 @@ def test_a_hook_run_at_fork_keeps_no_channel_into_the_parent(make) -> None:
     kid.run_code("try:\n    os.write(_kept[0], b'CHILD!')\nexcept OSError:\n    pass")
     assert sb.files.read("/root/secret") == b"parent"
     assert kid.files.read("/root/secret") == b"parent"
+
+
+def test_a_child_that_did_not_enter_its_sandbox_is_refused(harness, make) -> None:
+    """The agent that makes a child runs in the parent's process, where the parent's code
+    can change it: a child that skipped its entry (here the parent replaced it) would
+    serve from the parent's root and namespaces. The daemon checks from outside, also
+    when the child was handed a network namespace made ahead (nothing else would stop
+    it then)."""
+    sb = make()
+    family = harness.engine.live[sb.id].family.family
+    for _ in range(500):
+        if harness.engine.net.made.get(family.ident):
+            break
+        time.sleep(0.01)
+    assert harness.engine.net.made.get(family.ident), "no namespace was made ahead"
+    sb.run_code("import os, bbagent.entry as e\n"
+                "def skip(tree, attach, hostname, repl, cmds, mounts=(), netns=None):\n"
+                "    for fd in repl:\n"
+                "        os.write(fd, b'0')\n"
+                "    return e.Entered(-1, None)\n"
+                "e.enter_sandbox = skip")
+    with pytest.raises(SandboxError, match="did not enter its sandbox"):
+        sb.fork(1)
+    assert sb.run_code("1 + 1").text == "2"

@@ -90,16 +90,19 @@ class Branching:
         async with self._instant(pbody, channel, clock) as (lowers, inherit):
             frozen = await asyncio.shield(lowers)  # a cancellation waits for it in _instant
             clock.mark("layer")  # the rest of the parent's layer snapshot
-            return await self._make_bodies(_ReplSlots(channel, inherit), frozen, pbody.layers,
-                                           owner, n, clock=clock, timings=timings)
+            slots = _ReplSlots(channel, inherit, pbody.repl_host)
+            return await self._make_bodies(slots, frozen, pbody.layers, owner, n, clock=clock,
+                                           timings=timings)
 
-    async def _wake_bodies(self, dormant: Dormant, stack: LayerStack, owner: Live, n: int,
+    async def _wake_bodies(self, checkpoint: Body, owner: Live, n: int,
                            hostname: str | None = None) -> list[tuple[str, Body]]:
-        """``n`` new bodies forked from a checkpoint's process (``dormant``, whose frozen
-        layers are ``stack``'s), under ``owner``'s network policy; not adopted. A body
-        that will serve an existing id (a restore) is named ``hostname`` at once."""
+        """``n`` new bodies forked from a checkpoint's process (its body's channel), over
+        its frozen layers, under ``owner``'s network policy; not adopted. A body that
+        will serve an existing id (a restore) is named ``hostname`` at once."""
+        stack = checkpoint.layers
+        slots = _WakeSlots(checkpoint.channel)
         return await self._within_deadline(self._make_bodies(
-            _WakeSlots(dormant), list(stack.frozen), stack, owner, n, hostname=hostname))
+            slots, list(stack.frozen), stack, owner, n, hostname=hostname))
 
     async def _within_deadline(self, making):
         """Await ``making`` (bodies being made) within the daemon's fork deadline: a
@@ -180,22 +183,25 @@ class Branching:
         made: list[tuple[str, Body]] = []
         pending: list = []  # each slot's answer, then each child's hello
         net_steps: list[dict] = []  # per child: its network's steps (ns), networking.attach
-        hellos: list = []  # wrapped by _networked: closed too if it never ran
+        hellos: list = []  # and their wrappers: closed too if they never ran
         running: list[asyncio.Future] = []  # pending, once gathered
         limits = self._limits(meta.get("memory_mb"))
         try:
+            forker = slots.forker()
             for _ in range(n):
                 sid, body = self._prepare_child(lowers, stack, limits)
                 made.append((sid, body))
                 took = time.perf_counter_ns()
                 netns = self.net.take_made(body.key, family.ident) if family else None
                 took = time.perf_counter_ns() - took
-                answer, hello = await self._send_slot(slots, hostname or sid, body, netns)
-                hellos.append(hello)
+                answer, hello, entered = await self._send_slot(slots, hostname or sid, body,
+                                                               netns)
+                checked = _checked(hello, body, entered, forker)
+                hellos += [hello, checked]
                 if netns is not None:  # joined in the child: nothing left to do here
                     net_steps.append({"take": took})
-                pending += [answer, hello if netns is not None
-                            else self._networked(hello, body, net_steps)]
+                pending += [answer, checked if netns is not None
+                            else self._networked(checked, body, net_steps)]
             forked = await slots.end()
             clock.mark("slots")  # children's volumes and cgroups made, slots sent, forked
             running = [asyncio.ensure_future(p) for p in pending]
@@ -287,11 +293,10 @@ class Branching:
                 self._close_when_idle(child, idle)
 
     async def _networked(self, hello, body: Body, steps: list[dict]) -> dict:
-        """The child's hello, then at once its network (while the REPL forks the next
-        child): a veth created into its namespace, its address and route."""
+        """The child's hello (checked), then at once its network (while the REPL forks the
+        next child): a veth created into its namespace, its address and route."""
         result = await hello
         reply = await self.net.attach(body.key, body.cgroup, int(result.get("pid") or 0))
-        body.repl_host = reply["host_pid"]  # found for the network: its own forks need it
         steps.append(reply["steps"])
         return result
 
@@ -312,10 +317,7 @@ class Branching:
         """A child past Landlock's depth added a signal filter (see runtime.signal_guard):
         take its listener out of the child, then have the child let go of its copy, all
         before the child runs any user code."""
-        host = body.repl_host or procfs.find_repl(body.cgroup.pids(), int(hello.get("pid") or 0))
-        if host is None:
-            raise errors.EngineError("fork failed: a child's REPL is not in its cgroup")
-        listener = await asyncio.to_thread(self.signal_guard.take, host,
+        listener = await asyncio.to_thread(self.signal_guard.take, body.repl_host,
                                            int(hello["signal_listener"]))
         # Kept for a daemon that re-attaches after a restart (the keeper lets go of it once
         # no process is under its filter): without a listener the calls would fail.
@@ -329,7 +331,7 @@ class Branching:
         network namespace to join (made ahead; consumed) if any, cgroup fds and extra
         mounts; it forks the child on receipt. Returns two awaitables: the fork's answer,
         and the child's hello (request 0 on its own channel: ready, or why its set-up
-        failed)."""
+        failed); and what the child must have entered once it says hello."""
         fds = [] if netns is None else [netns]  # all closed here, whatever happens
         theirs = hello = None
         try:
@@ -344,10 +346,13 @@ class Branching:
             mounts = body.layers.mounts()
             fds += [fd for fd, _ in mounts]
             fds.insert(0, body.layers.tree())
+            root = os.fstat(fds[0])
+            entered = _Entered((root.st_dev, root.st_ino),
+                               None if netns is None else os.fstat(netns).st_ino)
             slot = {"id": hostname, "nrepl": len(repl_fds), "ncmds": len(cmds_fds),
                     "netns": bool(joined), "mounts": [path for _, path in mounts]}
             answer = await slots.send(slot, [fds[0], theirs.fileno(), *fds[1:]])
-            return answer, hello
+            return answer, hello, entered
         except BaseException:
             if hello is not None:
                 hello.close()
@@ -473,6 +478,41 @@ class Branching:
             raise errors.Conflict(f"diff refused: {exc}") from None
 
 
+class _Entered:
+    """What a fork child was handed, to find it in once it says hello: the root of its
+    tree (device, inode) and the network namespace made ahead for it (inode), if any."""
+
+    def __init__(self, root: tuple[int, int], netns: int | None) -> None:
+        self.root, self.netns = root, netns
+
+
+async def _checked(hello, body: Body, entered: _Entered, forker: dict[str, int]) -> dict:
+    """The child's hello, once the child is found in its sandbox from outside, through the
+    host's /proc: its REPL is in its cgroup, its root is the tree it was handed, its
+    network namespace the one made for it (or one of its own, not its forker's), and its
+    mount, IPC and UTS namespaces are not its forker's. The agent that makes a child
+    runs in the same process as the parent's code, which can change it: a child that did
+    not enter its sandbox is refused here, before anything (its network first) is made
+    for it."""
+    result = await hello
+    host = procfs.find_repl(body.cgroup.pids(), int(result.get("pid") or 0))
+    refused = errors.EngineError("fork failed: a child did not enter its sandbox")
+    if host is None:
+        raise refused
+    body.repl_host = host
+    try:
+        own = procfs.namespaces(host)
+        root = procfs.root_of(host)
+    except OSError:
+        raise refused from None
+    net_ok = own["net"] == entered.netns if entered.netns is not None \
+        else own["net"] != forker["net"]
+    if root != entered.root or not net_ok or \
+            any(own[kind] == forker[kind] for kind in ("mnt", "ipc", "uts")):
+        raise refused
+    return result
+
+
 class _Phases:
     """Where a fork's time went, phase by phase, in order (seconds)."""
 
@@ -490,9 +530,10 @@ class _ReplSlots:
     """Fork slots sent to a REPL, which forks a child per slot (``agent.forking``); the
     first carries what the REPL holds (``inherit``), "fork" ends the batch."""
 
-    def __init__(self, channel: AgentChannel, inherit: dict) -> None:
+    def __init__(self, channel: AgentChannel, inherit: dict, repl_host: int) -> None:
         self.channel = channel
         self.inherit: dict | None = inherit
+        self.repl_host = repl_host
         self.open = False
 
     async def send(self, slot: dict, fds: list[int]):
@@ -507,6 +548,13 @@ class _ReplSlots:
     async def end(self) -> dict:
         self.open = False
         return await self.channel.call("fork")
+
+    def forker(self) -> dict[str, int]:
+        """The namespaces of the REPL that forks (its children must have their own)."""
+        try:
+            return procfs.namespaces(self.repl_host)
+        except OSError:
+            raise errors.ReplGone("fork failed: the sandbox's REPL is gone") from None
 
     async def abandon(self) -> None:
         """Let the REPL leave its fork batch after a failure (if it answers at all)."""
@@ -527,6 +575,14 @@ class _WakeSlots:
 
     async def end(self) -> dict:
         return {}
+
+    def forker(self) -> dict[str, int]:
+        """The namespaces of the checkpoint's process (its copies must have their own)."""
+        try:
+            return procfs.namespaces(self.dormant.host_pid)
+        except OSError:
+            self.dormant.lose()
+            raise ChannelClosed("the checkpoint's process is gone") from None
 
     async def abandon(self) -> None:
         return None

@@ -32,6 +32,7 @@ from branchbox.engine.live import Body, Live
 from branchbox.engine.pausing import refuse_paused
 from branchbox.engine.records import SandboxRecord
 from branchbox.engine.stopped import describe
+from branchbox.runtime import procfs
 from branchbox.runtime.cgroups import FreezeFailed, SandboxCgroup
 from branchbox.runtime.channel import AgentChannel, AgentError
 from branchbox.runtime.dormant import Dormant
@@ -173,6 +174,7 @@ class Checkpoints:
             except ChannelClosed:
                 raise AgentError("Internal", "the checkpoint's process died before it was "
                                  "ready (its memory limit?)") from None
+            dormant.host_pid = procfs.oldest(cgroup.pids())  # it is alone there
         except BaseException:
             await dormant.close()
             raise
@@ -187,7 +189,7 @@ class Checkpoints:
         if dormant is None or dormant.gone:
             raise gone
         try:
-            return await self._wake_bodies(dormant, cp.body.layers, sb, n, hostname)
+            return await self._wake_bodies(cp.body, sb, n, hostname)
         except errors.EngineError:
             if dormant.gone:
                 raise gone from None

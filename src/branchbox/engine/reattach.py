@@ -51,6 +51,7 @@ from branchbox.engine.layers import LayerStack
 from branchbox.engine.live import Body, FamilyHandle, Live
 from branchbox.engine.pausing import PAUSED
 from branchbox.engine.records import SandboxRecord
+from branchbox.runtime import procfs
 from branchbox.runtime.cgroups import FreezeFailed, SandboxCgroup
 from branchbox.runtime.channel import AgentChannel, AgentError
 from branchbox.runtime.dormant import Dormant
@@ -144,6 +145,7 @@ class Reattach:
             if isinstance(channel, Dormant):  # a checkpoint's process: alive, or gone
                 if not await asyncio.wait_for(channel.alive(), PING_WAIT):
                     raise ChannelClosed("its process is gone")
+                channel.host_pid = procfs.oldest(cgroup.pids())
             else:
                 if rec.state == PAUSED:  # left frozen by the thaw guard
                     await asyncio.to_thread(cgroup.freeze, None, False)  # for the ping

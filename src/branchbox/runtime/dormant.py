@@ -36,6 +36,7 @@ class Dormant:
         self.sock = sock
         self._waiting: collections.deque[asyncio.Future] = collections.deque()
         self.gone = False
+        self.host_pid = 0  # the process's pid on the host, once it is known
 
     def _expect(self) -> asyncio.Future:
         if self.gone:
@@ -54,7 +55,7 @@ class Dormant:
         except OSError:
             data = b""
         if len(data) != _ANSWER.size:
-            self._lose()
+            self.lose()
             return
         future = self._waiting.popleft()
         if not self._waiting:
@@ -62,7 +63,7 @@ class Dormant:
         if not future.done():
             future.set_result(_ANSWER.unpack(data)[0])
 
-    def _lose(self) -> None:
+    def lose(self) -> None:
         """The process is gone (or spoke out of turn): every wait fails."""
         if not self.gone and self._waiting:
             asyncio.get_running_loop().remove_reader(self.sock.fileno())
@@ -87,7 +88,7 @@ class Dormant:
             raise AgentError("Conflict", "the checkpoint's process is not reading (stopped?)"
                              ) from None
         except OSError:
-            self._lose()
+            self.lose()
         return future
 
     async def ready(self) -> None:
@@ -115,7 +116,7 @@ class Dormant:
 
     async def close(self) -> None:
         """Let it go: at end of file it exits (the caller also kills its cgroup)."""
-        self._lose()
+        self.lose()
         self.sock.close()
 
 

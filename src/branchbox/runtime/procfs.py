@@ -53,6 +53,27 @@ def find_repl(candidates: list[int], ns_pid: int) -> int | None:
     return None
 
 
+def namespaces(pid: int, kinds: tuple[str, ...] = ("mnt", "net", "ipc", "uts")) -> dict[str, int]:
+    """The inode of each of process ``pid``'s namespaces of ``kinds`` (the links are the
+    kernel's, never a sandbox's)."""
+    return {kind: os.stat(f"/proc/{pid}/ns/{kind}").st_ino for kind in kinds}
+
+
+def oldest(pids: list[int]) -> int:
+    """The one of ``pids`` that started first (a checkpoint's process, among copies of it
+    that have not left its cgroup yet)."""
+    def started(pid: int) -> int:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    return min(pids, key=started)
+
+
+def root_of(pid: int) -> tuple[int, int]:
+    """(device, inode) of process ``pid``'s root directory."""
+    st = os.stat(f"/proc/{pid}/root/")
+    return st.st_dev, st.st_ino
+
+
 def describe(pid: int) -> dict:
     """``{"fds": [[fd, kind, path, flags, offset], ...], "threads": n, "shared": [...],
     "swap": bool}`` of process ``pid``; kind is "file" for what a child can re-open by
