@@ -17,7 +17,7 @@ from served import ServedDaemon, env_with_key
 
 from branchbox import Sandbox, SandboxError, SandboxNotFound, StaleBranchError
 from branchbox.engine.config import EngineConfig
-from branchbox.runtime.cgroups import SandboxCgroup, thaw_leftovers
+from branchbox.runtime.cgroups import CGROUP_ROOT, SandboxCgroup, thaw_leftovers
 
 KEY = "restart-test-key"
 
@@ -175,4 +175,27 @@ def test_a_stopped_sandbox_starts_again_on_its_workspace_branch(workspace) -> No
         sb.close()
         Sandbox.connect(sibling.id, url=second.url, api_key=KEY).close()
     finally:
+        stop_last(first, second, env)
+
+
+def test_a_cgroup_half_made_by_a_killed_daemon_is_reaped() -> None:
+    """A daemon killed while it made a sandbox cgroup (one made ahead, say) leaves some
+    controllers' directories and not others; the next daemon starts and removes it (it
+    failed to start, on the cgroup's missing freezer)."""
+    env = env_with_key(KEY)
+    first = ServedDaemon("partial", env)
+    group = EngineConfig(data_dir=first.data_dir).cgroup_group
+    second = None
+    half = CGROUP_ROOT / "memory" / "branchbox" / group / "0123456789abcdef"
+    try:
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait()
+        half.mkdir(parents=True)
+        second = ServedDaemon("partial", env, data_dir=first.data_dir)
+        assert not half.exists()
+        with Sandbox(url=second.url, api_key=KEY) as sb:
+            assert sb.run_code("1 + 1").text == "2"
+    finally:
+        with contextlib.suppress(OSError):
+            half.rmdir()
         stop_last(first, second, env)

@@ -8,19 +8,20 @@
  * the objects), a few MiB per checkpoint. So the fork is made here, in C,
  * and the kept process never returns to the interpreter. It must hold
  * nothing of its sandbox, which goes on running (and may be replaced by a
- * restore): it moves itself into the checkpoint's cgroup; points every
- * inherited fd at /dev/null (a socket kept open here would hide the REPL's
- * end from the daemon); makes shared memory its own (anonymous memory is
- * copied, so the REPL's later writes do not change the instant; a file's
- * mapping is left a placeholder, mapped again from the checkpoint's frozen
- * layer when it is woken); leaves the sandbox's mount, network, IPC and UTS
- * namespaces for its own, whose root is a small tmpfs with only the
- * checked device nodes a woken process binds into its /dev, the directory it
- * attaches its root at, and the sandbox's /proc (see own_root); says it is ready, and then only waits
- * on its socket. Each message it receives is a wake: it forks once more,
- * and that process makes its shared memory its own again, lets go of the
- * socket, and returns to Python with the message and its fds, to become a
- * sandbox as any fork child does.
+ * restore). It moves itself into the checkpoint's cgroup; points the fds the
+ * daemon listed at /dev/null and closes every other (a socket kept open here
+ * would hide the REPL's end from the daemon); makes shared memory its own
+ * (anonymous memory is copied into private memory, so the REPL's later writes
+ * do not change the instant; a file's mapping is left a placeholder, mapped
+ * again from the checkpoint's frozen layer when it is woken); leaves the
+ * sandbox's mount, network, IPC and UTS namespaces for its own, whose root is
+ * a small tmpfs with only the checked device nodes a woken process binds into
+ * its /dev, the directory it attaches its root at, and an empty proc (see
+ * empty_proc); says it is ready, and then only waits on its socket. Each
+ * message it receives is a wake: it forks once more, and that process lets go
+ * of the socket and returns to Python with the message and its fds, to become
+ * a sandbox as any fork child does (its shared memory is made shared again
+ * once it is in its own cgroup, so the copy is charged there).
  *
  * No libc: raw system calls only, so the library loads into any image's
  * python3 (as bb-init runs on any image, being static).
@@ -148,11 +149,10 @@ static long make_private(const long *copies, long words) {
         if (nruns < 0 || i + 2 * nruns > words)
             return -EINVAL;
         long fresh = sys6(SYS_mmap, 0, length, PROT_READ | PROT_WRITE,
-                          MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+                          MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (fresh < 0 && fresh > -4096)
             return fresh;
-        /* One that cannot be made readable stays zeros (the woken REPL copies it
-           again and says so in its fork warning). */
+        /* One that cannot be made readable stays zeros. */
         int readable = (prot & PROT_READ) ||
                        SYS(mprotect, start, length, prot | PROT_READ) == 0;
         for (long r = 0; r < nruns && readable; r++) {
@@ -214,6 +214,60 @@ static long bind_device(const char *path, const char *target, long minor) {
     return err;
 }
 
+/* A proc of a PID namespace of its own, empty once its init has mounted it and
+   exited: a woken process's bb-init may mount a proc only where one is fully
+   visible, and the sandbox's own would show its live processes (their roots and
+   namespaces) to the woken process's Python before it enters its sandbox. */
+static long empty_proc(const char *target) {
+    long pid = sys6(SYS_clone, CLONE_NEWPID | SIGCHLD, 0, 0, 0, 0, 0);
+    if (pid == 0) {
+        long err = sys6(SYS_mount, (long)"proc", (long)target, (long)"proc",
+                        MS_NOSUID | MS_NODEV | MS_NOEXEC, 0, 0);
+        for (;;)
+            SYS(exit_group, err ? 1 : 0, 0, 0);
+    }
+    if (pid < 0)
+        return pid;
+    int status = 0;
+    long got;
+    do
+        got = sys6(SYS_wait4, pid, (long)&status, 0, 0, 0, 0);
+    while (got == -EINTR);
+    if (got < 0)
+        return got;
+    return status == 0 ? 0 : -EPERM;
+}
+
+/* Close every fd from 3 up but SOCK and those in KEEP (ascending): the REPL's fds
+   the daemon listed are /dev/null by now; anything else (past the daemon's list, or
+   opened by a before-fork hook after it was read) goes. */
+static void close_others(int sock, const int *keep, int n) {
+    unsigned long low = 3;
+    int sock_done = sock < 3;
+    for (int k = 0; k <= n; k++) {
+        unsigned long next = k < n ? (unsigned long)keep[k] : ~0UL;
+        if (k < n && keep[k] < 3)
+            continue;
+        if (!sock_done && (unsigned long)sock < next) {
+            if ((unsigned long)sock >= low) {
+                if ((unsigned long)sock > low)
+                    SYS(close_range, low, sock - 1, 0);
+                low = sock + 1;
+            }
+            sock_done = 1;
+        }
+        if (next == ~0UL) {
+            SYS(close_range, low, ~0U, 0);
+            return;
+        }
+        if (next >= low) {
+            if (next > low)
+                SYS(close_range, low, next - 1, 0);
+            low = next + 1;
+        }
+    }
+}
+
 /* Namespaces and a root of its own (see the top of this file). */
 static long own_root(void) {
     long err = SYS(unshare, CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS, 0, 0);
@@ -229,10 +283,8 @@ static long own_root(void) {
         err = SYS(mkdirat, AT_FDCWD, dirs[k], 0755);
     for (unsigned k = 0; !err && k < sizeof devices / sizeof *devices; k++)
         err = bind_device(devices[k].path, devices[k].target, devices[k].minor);
-    /* The sandbox's proc (of its command namespace), kept only because a woken
-       process's bb-init may mount a proc only where one is fully visible. */
     if (!err)
-        err = attach_copy(AT_FDCWD, "/proc", 0, "proc");
+        err = empty_proc("proc");
     if (!err)
         err = SYS(pivot_root, ".", "old", 0);
     if (!err)
@@ -245,8 +297,7 @@ static long own_root(void) {
 }
 
 /* Wait for wakes; returns (0) only in a process forked for one. */
-static long serve(int sock, const long *copies, long words, char *buf, long cap, int *fds,
-                  int maxfds, long *got) {
+static long serve(int sock, char *buf, long cap, int *fds, int maxfds, long *got) {
     static char message[BUF_MAX];
     union {
         struct cmsghdr align;
@@ -280,12 +331,10 @@ static long serve(int sock, const long *copies, long words, char *buf, long cap,
             pid = fork_flat();
         if (pid == 0) {
             /* Before any Python runs (the interpreter's after-fork hooks are the
-               sandbox's code): this process's shared memory is no longer the
-               checkpoint's, and the checkpoint's socket is not its to keep. */
+               sandbox's code): the checkpoint's socket is not this process's to
+               keep. (Its memory is the checkpoint's copy-on-write: its writes are
+               its own.) */
             SYS(close, sock, 0, 0);
-            if (make_private(copies, words) < 0)
-                for (;;)
-                    SYS(exit_group, 70, 0, 0);
             copy_bytes(buf, message, (unsigned long)n);
             for (int k = 0; k < nfds; k++)
                 fds[k] = passed[k];
@@ -306,7 +355,8 @@ static long serve(int sock, const long *copies, long words, char *buf, long cap,
  * in BUF (got[0] bytes) and its fds in FDS (got[1] of them).
  *
  * JOIN: cgroup.procs fds of the checkpoint's cgroups (written "0", closed).
- * NULLIFY: every other fd the REPL holds (from 3 up), pointed at /dev/null.
+ * NULLIFY: the REPL's other fds (from 3 up, ascending), pointed at /dev/null;
+ * any fd not listed is closed.
  * COPIES: its shared memory, see make_private.
  */
 long bb_dormant(int sock, const int *join, int njoin, const int *nullify, int nnull,
@@ -328,11 +378,12 @@ long bb_dormant(int sock, const int *join, int njoin, const int *nullify, int nn
         if (nullify[k] != sock && nullify[k] != null && nullify[k] > 2)
             SYS(dup3, null, nullify[k], O_CLOEXEC);
     SYS(close, null, 0, 0);
+    close_others(sock, nullify, nnull);
     long err = make_private(copies, words);
     if (!err)
         err = own_root();
     if (err < 0)
         quit(sock, err);
     answer(sock, 0);
-    return serve(sock, copies, words, buf, cap, fds, maxfds, got);
+    return serve(sock, buf, cap, fds, maxfds, got);
 }

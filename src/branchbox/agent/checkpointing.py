@@ -91,5 +91,4 @@ def _wake(agent, batch, message: bytes, fds: list[int]) -> None:
         slot = None
     if slot is None:
         os._exit(70)
-    batch.copied = True
     forking.become_child(agent, slot, batch)

@@ -62,6 +62,8 @@ _JEQ_K = 0x15
 _RET_K = 0x06
 
 _JSET_K = 0x45
+_JGE_K = 0x35
+_X32_SYSCALL_BIT = 0x40000000  # x32 calls come with the x86_64 arch and this bit set
 
 # struct seccomp_data offsets
 _NR, _ARCH = 0, 4
@@ -121,14 +123,22 @@ def _args(index: int) -> int:
     return 16 + 8 * index
 
 
-def _program() -> bytes:
-    eperm = _SECCOMP_RET_ERRNO | errno.EPERM
-    prog = [
+def _native_nr() -> list[bytes]:
+    """Kill a call of another ABI (another arch, or x86_64's x32 calls, whose numbers
+    carry bit 30: every rule below names native numbers only), then load the number."""
+    return [
         _insn(_LD_W_ABS, 0, 0, _ARCH),
         _insn(_JEQ_K, 1, 0, _AUDIT_ARCH_X86_64),
-        _insn(_RET_K, 0, 0, _SECCOMP_RET_KILL_PROCESS),  # another ABI: refuse outright
+        _insn(_RET_K, 0, 0, _SECCOMP_RET_KILL_PROCESS),
         _insn(_LD_W_ABS, 0, 0, _NR),
+        _insn(_JGE_K, 0, 1, _X32_SYSCALL_BIT),
+        _insn(_RET_K, 0, 0, _SECCOMP_RET_KILL_PROCESS),
     ]
+
+
+def _program() -> bytes:
+    eperm = _SECCOMP_RET_ERRNO | errno.EPERM
+    prog = _native_nr()
     for nr in DENIED.values():
         prog += [_insn(_JEQ_K, 0, 1, nr), _insn(_RET_K, 0, 0, eperm)]
     for nr, conds in _ONLY_SELF.values():
@@ -161,10 +171,7 @@ SIGNALLING = {"kill": 62, "tkill": 200, "tgkill": 234, "rt_sigqueueinfo": 129,
 def _signal_program() -> bytes:
     notify = _SECCOMP_RET_USER_NOTIF
     prog = [
-        _insn(_LD_W_ABS, 0, 0, _ARCH),
-        _insn(_JEQ_K, 1, 0, _AUDIT_ARCH_X86_64),
-        _insn(_RET_K, 0, 0, _SECCOMP_RET_KILL_PROCESS),
-        _insn(_LD_W_ABS, 0, 0, _NR),
+        *_native_nr(),
         _insn(_JEQ_K, 0, 4, SIGNALLING["kill"]),
         _insn(_LD_W_ABS, 0, 0, _args(0)),
         _insn(_JEQ_K, 0, 1, 0),

@@ -80,7 +80,6 @@ class _Batch:
         self.swap = swap
         self.cwd = cwd
         self.pids: list[int] = []
-        self.copied = False  # its anonymous shared memory copied already (bb_dormant.c)
 
     @property
     def warning(self) -> str | None:
@@ -414,7 +413,7 @@ def become_child(agent, slot: _Slot, batch: _Batch) -> None:
         relistened = relisten(batch.listeners)
         made = {listener.fd for listener in relistened}
         closed = [fd for fd in batch.close if fd not in made]
-        zeroed = private_memory.make_private(batch.shared, batch.swap, copied=batch.copied)
+        zeroed = private_memory.make_private(batch.shared, batch.swap)
         STATE.warning = _child_warning(batch.warning, relistened, closed, batch.shared, zeroed)
         ctrl = socket.socket(fileno=slot.ctrl)
         agent.reset_after_fork(ctrl)

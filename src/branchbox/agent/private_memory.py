@@ -81,14 +81,13 @@ def plan(entries: list) -> list[Shared]:
     return found
 
 
-def make_private(mappings: list[Shared], swap: bool, *, copied: bool = False) -> list[str]:
+def make_private(mappings: list[Shared], swap: bool) -> list[str]:
     """Replace every mapping in ``mappings`` with memory of this process's own (this
-    process: a fork child, single-threaded, in its own root); with ``copied``, what no
-    file keeps is its own already. Returns the warnings: the mappings that could only be
-    replaced by zeros."""
+    process: a fork child, single-threaded, in its own root). Returns the warnings: the
+    mappings that could only be replaced by zeros."""
     lost = []
     for mapping in mappings:
-        if _remap_file(mapping) or (copied and not _of_a_file(mapping)):
+        if _remap_file(mapping):
             continue
         try:
             _copy_anonymous(mapping, swap)
@@ -110,8 +109,9 @@ def _of_a_file(mapping: Shared) -> bool:
 
 def instant_copies(mappings: list[Shared], swap: bool) -> list[int]:
     """For a checkpoint (``agent.checkpointing``), made in the REPL before its fork: its
-    shared memory as ``bb_dormant.c`` takes it. What no file keeps is copied (start,
-    length, prot, number of runs, then (offset, size) per run of pages), so the
+    shared memory as ``bb_dormant.c`` takes it. What no file keeps is copied into
+    private memory (start, length, prot, number of runs, then (offset, size) per run of
+    pages; a woken copy makes it shared again once in its own cgroup), so the
     checkpoint keeps that memory as it is at this instant, whatever the REPL writes to it
     later; a file's mapping becomes a placeholder (start, length, prot, -1), mapped again
     from the checkpoint's frozen layer when it is woken."""
@@ -161,8 +161,9 @@ def _copy_anonymous(mapping: Shared, swap: bool) -> None:
     new = sysc.mmap(0, length, sysc.PROT_READ | sysc.PROT_WRITE,
                     sysc.MAP_SHARED | sysc.MAP_ANONYMOUS)
     try:
-        if not mapping.prot & sysc.PROT_READ:
-            sysc.mprotect(start, length, sysc.PROT_READ)
+        # Readable first: it may have no read permission, or be a checkpoint's placeholder
+        # (PROT_NONE, zeros) for a file this child's root does not have.
+        sysc.mprotect(start, length, sysc.PROT_READ)
         for offset, size in _runs(mapping, swap):
             ctypes.memmove(new + offset, start + offset, size)
         if mapping.prot != sysc.PROT_READ | sysc.PROT_WRITE:

@@ -448,7 +448,7 @@ class Branching:
         if not named:
             with contextlib.suppress(errors.EngineError, AgentError, ChannelClosed):
                 await sb.body.channel.call("sethostname", {"hostname": sb.id})
-        await self.net.hand_over(sb.body.key, old.key, sb.body.cgroup)
+        await self.net.hand_over(sb.body.key, old.key, sb.body.cgroup, sb.body.repl_host)
         self._retire(old)
 
     # ---------------------------------------------------------------------- diff

@@ -119,7 +119,7 @@ class Checkpoints:
             record = SandboxRecord(
                 id="cp_" + secrets.token_hex(16), family=sb.record.family, instance=body.key,
                 image=sb.record.image, parent_id=sb.id, state=CHECKPOINT,
-                meta={"name": name, "generation": sb.generation,
+                meta={"name": name, "generation": sb.generation, "pid": body.channel.pid,
                       "stack": describe(body.layers), "launcher": list(sb.family.family.ident)})
             cp = Checkpoint(record, body)
             self._checkpoints[cp.id] = cp
@@ -142,7 +142,8 @@ class Checkpoints:
                 await asyncio.to_thread(cgroup.remove)
                 raise
             try:
-                stack = self.layers.new_stack(await lowers, sb.body.layers.base,
+                stack = self.layers.new_stack(await asyncio.shield(lowers),
+                                              sb.body.layers.base,
                                               sb.body.layers.workspace, ids=sb.body.layers.ids)
             except BaseException:
                 await dormant.close()
@@ -163,8 +164,9 @@ class Checkpoints:
         try:
             try:
                 join = cgroup.join_fds("repl")
-                await channel.call("checkpoint", {"inherit": inherit, "njoin": len(join)},
-                                   fds=[theirs.fileno(), *join])
+                forked = await channel.call("checkpoint", {"inherit": inherit,
+                                                           "njoin": len(join)},
+                                            fds=[theirs.fileno(), *join])
             finally:
                 theirs.close()
                 for fd in join:
@@ -174,7 +176,10 @@ class Checkpoints:
             except ChannelClosed:
                 raise AgentError("Internal", "the checkpoint's process died before it was "
                                  "ready (its memory limit?)") from None
-            dormant.host_pid = procfs.oldest(cgroup.pids())  # it is alone there
+            dormant.pid = int(forked.get("pid") or 0)
+            dormant.host_pid = procfs.find_repl(cgroup.pids(), dormant.pid) or 0
+            if not dormant.host_pid:
+                raise AgentError("Internal", "the checkpoint's process is not in its cgroup")
         except BaseException:
             await dormant.close()
             raise

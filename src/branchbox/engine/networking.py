@@ -395,7 +395,8 @@ class SandboxNetwork:
             self.drop_made(family)
         await asyncio.gather(*making, return_exceptions=True)
 
-    async def hand_over(self, winner_key: str, parent_key: str, cgroup) -> None:
+    async def hand_over(self, winner_key: str, parent_key: str, cgroup,
+                        repl_host: int | None = None) -> None:
         """A merge: the winner's body takes the parent's address (the id keeps it); the
         parent's old body loses its port at once."""
         old, won = self.ports.pop(parent_key, None), self.ports.get(winner_key)
@@ -417,7 +418,8 @@ class SandboxNetwork:
         if policy is not None:
             self.apply([winner_key], policy)
         fd = None
-        for pid in cgroup.leaf_pids("repl"):  # the REPL's, not a command's own namespace
+        # The REPL's namespace (a process it started may have made one of its own).
+        for pid in [repl_host] if repl_host else cgroup.leaf_pids("repl"):
             with contextlib.suppress(OSError):
                 fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
                 break

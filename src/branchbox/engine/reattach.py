@@ -145,7 +145,10 @@ class Reattach:
             if isinstance(channel, Dormant):  # a checkpoint's process: alive, or gone
                 if not await asyncio.wait_for(channel.alive(), PING_WAIT):
                     raise ChannelClosed("its process is gone")
-                channel.host_pid = procfs.oldest(cgroup.pids())
+                channel.pid = int(rec.meta.get("pid") or 0)
+                channel.host_pid = procfs.find_repl(cgroup.pids(), channel.pid) or 0
+                if not channel.host_pid:
+                    raise ChannelClosed("its process is not in its cgroup")
             else:
                 if rec.state == PAUSED:  # left frozen by the thaw guard
                     await asyncio.to_thread(cgroup.freeze, None, False)  # for the ping

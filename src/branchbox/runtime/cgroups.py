@@ -135,7 +135,12 @@ class SandboxCgroup:
     def _file(self, controller: str, name: str) -> Path:
         if self.version == 2:
             return self.dirs[0] / name
-        return self.dirs[V1_CONTROLLERS.index(controller)] / name
+        # By name, not position: a leftover of a daemon killed while making it may have
+        # some controllers' directories and not others.
+        for d in self.dirs:
+            if d.parts[-4] == controller:  # <root>/<controller>/branchbox/<group>/<name>
+                return d / name
+        raise FileNotFoundError(f"sandbox cgroup {self.name} has no {controller} directory")
 
     def apply(self, limits: Limits) -> None:
         if self.version == 2:
@@ -284,7 +289,7 @@ class SandboxCgroup:
         # Frozen processes cannot fork between our read of cgroup.procs and the kill.
         # A sandbox holding a task the freezer cannot stop is killed without that
         # guarantee: again and again until nothing is left or the timeout.
-        with contextlib.suppress(FreezeFailed):
+        with contextlib.suppress(FreezeFailed, FileNotFoundError):  # none: a partial leftover
             self.freeze()
         deadline = time.monotonic() + timeout
         pidfds = _pidfds(self.pids())

@@ -36,7 +36,8 @@ class Dormant:
         self.sock = sock
         self._waiting: collections.deque[asyncio.Future] = collections.deque()
         self.gone = False
-        self.host_pid = 0  # the process's pid on the host, once it is known
+        self.pid = 0  # the process's pid in its family's namespace, once known
+        self.host_pid = 0  # and on the host
 
     def _expect(self) -> asyncio.Future:
         if self.gone:
@@ -112,16 +113,19 @@ class Dormant:
         message = json.dumps(slot, separators=(",", ":")).encode()
         if len(message) > MESSAGE_MAX:
             raise ValueError("a wake message is too long")
-        return _forked(self._send(message, fds))
+        return self._forked(self._send(message, fds))
+
+    async def _forked(self, answer: asyncio.Future) -> dict:
+        """A wake's answer; an ALIVE before it answered a "?" whose asker died (a
+        daemon that re-attached read the one to its own)."""
+        while (value := await answer) == ALIVE:
+            answer = self._expect()
+        return {"pid": _check(value, "the checkpoint could not fork")}
 
     async def close(self) -> None:
         """Let it go: at end of file it exits (the caller also kills its cgroup)."""
         self.lose()
         self.sock.close()
-
-
-async def _forked(answer: asyncio.Future) -> dict:
-    return {"pid": _check(await answer, "the checkpoint could not fork")}
 
 
 def _check(value: int, what: str) -> int:

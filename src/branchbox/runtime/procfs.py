@@ -59,15 +59,6 @@ def namespaces(pid: int, kinds: tuple[str, ...] = ("mnt", "net", "ipc", "uts")) 
     return {kind: os.stat(f"/proc/{pid}/ns/{kind}").st_ino for kind in kinds}
 
 
-def oldest(pids: list[int]) -> int:
-    """The one of ``pids`` that started first (a checkpoint's process, among copies of it
-    that have not left its cgroup yet)."""
-    def started(pid: int) -> int:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    return min(pids, key=started)
-
-
 def root_of(pid: int) -> tuple[int, int]:
     """(device, inode) of process ``pid``'s root directory."""
     st = os.stat(f"/proc/{pid}/root/")
