@@ -380,10 +380,14 @@ long bb_dormant(int sock, const int *join, int njoin, const int *nullify, int nn
     SYS(close, null, 0, 0);
     close_others(sock, nullify, nnull);
     long err = make_private(copies, words);
-    if (!err)
-        err = own_root();
     if (err < 0)
         quit(sock, err);
+    /* The instant is kept: the daemon may let the sandbox run on. Leaving its
+       namespaces comes after (a wake waits in the socket meanwhile); if that
+       fails, the process ends, and the checkpoint is found gone when used. */
     answer(sock, 0);
+    if (own_root() < 0)
+        for (;;)
+            SYS(exit_group, 1, 0, 0);
     return serve(sock, buf, cap, fds, maxfds, got);
 }
