@@ -139,7 +139,8 @@ class Branching:
                 await asyncio.shield(lowers)
             if pbody.repl_host is None:  # a body keeps its REPL: look it up once
                 repl = await channel.call("ping")
-                pbody.repl_host = procfs.find_repl(pbody.cgroup.pids(), int(repl.get("pid") or 0))
+                pbody.repl_host = procfs.find_repl(pbody.cgroup.leaf_pids("repl"),
+                                                   int(repl.get("pid") or 0))
             inherit = await asyncio.to_thread(_inherit, pbody.repl_host)
             clock.mark("instant")  # commands frozen, what the REPL holds read from /proc
             yield lowers, inherit
@@ -296,7 +297,7 @@ class Branching:
         """The child's hello (checked), then at once its network (while the REPL forks the
         next child): a veth created into its namespace, its address and route."""
         result = await hello
-        reply = await self.net.attach(body.key, body.cgroup, int(result.get("pid") or 0))
+        reply = await self.net.attach(body.key, body.cgroup, body.repl_host)
         steps.append(reply["steps"])
         return result
 
@@ -495,7 +496,7 @@ async def _checked(hello, body: Body, entered: _Entered, forker: dict[str, int])
     not enter its sandbox is refused here, before anything (its network first) is made
     for it."""
     result = await hello
-    host = procfs.find_repl(body.cgroup.pids(), int(result.get("pid") or 0))
+    host = procfs.find_repl(body.cgroup.leaf_pids("repl"), int(result.get("pid") or 0))
     refused = errors.EngineError("fork failed: a child did not enter its sandbox")
     if host is None:
         raise refused

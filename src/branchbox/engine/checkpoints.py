@@ -177,7 +177,7 @@ class Checkpoints:
                 raise AgentError("Internal", "the checkpoint's process died before it was "
                                  "ready (its memory limit?)") from None
             dormant.pid = int(forked.get("pid") or 0)
-            dormant.host_pid = procfs.find_repl(cgroup.pids(), dormant.pid) or 0
+            dormant.host_pid = procfs.find_repl(cgroup.leaf_pids("repl"), dormant.pid) or 0
             if not dormant.host_pid:
                 raise AgentError("Internal", "the checkpoint's process is not in its cgroup")
         except BaseException:

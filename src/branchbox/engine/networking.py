@@ -41,7 +41,6 @@ import time
 from dataclasses import dataclass
 
 from branchbox.engine import errors
-from branchbox.runtime import procfs
 from branchbox.runtime.family import Family
 from branchbox.runtime.netlink_msgs import PlugMessages
 from branchbox.runtime.network import Network, NetworkError
@@ -219,17 +218,16 @@ class SandboxNetwork:
         port = self.ports.get(body_key)
         return port.address if port else None
 
-    async def attach(self, body_key: str, cgroup, ns_pid: int) -> dict:
-        """Give the body whose REPL is ``ns_pid`` (in its family's namespace, among the
-        body's "repl" leaf) its port. Returns the helper's reply with the REPL's
-        ``host_pid`` and ``steps``: each
-        step's time in ns, the helper's own and the daemon's (``lookup``: finding the
-        REPL's namespace; ``ipc``: the way to the helper and back, without the time the
-        request queued behind other children's: those are counted in theirs)."""
+    async def attach(self, body_key: str, cgroup, host_pid: int | None) -> dict:
+        """Give the body whose REPL is ``host_pid`` (found by the caller in the body's
+        "repl" leaf; None: not found) its port. Returns the helper's reply with
+        ``steps``: each step's time in ns, the helper's own and the daemon's (``lookup``:
+        opening the REPL's namespace; ``ipc``: the way to the helper and back, without
+        the time the request queued behind other children's: those are counted in
+        theirs)."""
         t0 = time.perf_counter_ns()
         port = self.take(body_key)
         t1 = time.perf_counter_ns()
-        host_pid = procfs.find_repl(cgroup.leaf_pids("repl"), ns_pid)
         if host_pid is None:
             raise errors.EngineError("the sandbox's REPL is gone: no network for it")
         fd = os.open(f"/proc/{host_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
@@ -244,7 +242,6 @@ class SandboxNetwork:
         port.plugged = True
         reply["steps"] = {"take": t1 - t0, "lookup": t2 - t1, **reply["steps"],
                           "ipc": reply["arrival"] + reply["received"] - reply["replied"]}
-        reply["host_pid"] = host_pid  # the REPL's: the body need not look it up again
         return reply
 
     async def release(self, body_key: str) -> None:

@@ -146,7 +146,7 @@ class Reattach:
                 if not await asyncio.wait_for(channel.alive(), PING_WAIT):
                     raise ChannelClosed("its process is gone")
                 channel.pid = int(rec.meta.get("pid") or 0)
-                channel.host_pid = procfs.find_repl(cgroup.pids(), channel.pid) or 0
+                channel.host_pid = procfs.find_repl(cgroup.leaf_pids("repl"), channel.pid) or 0
                 if not channel.host_pid:
                     raise ChannelClosed("its process is not in its cgroup")
             else:

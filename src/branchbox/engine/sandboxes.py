@@ -50,7 +50,7 @@ from branchbox.engine.run_guard import (
 from branchbox.engine.stopped import Stopped, StoppedSandboxes, describe
 from branchbox.engine.warm import WarmPool
 from branchbox.engine.workspaces import Workspaces
-from branchbox.runtime import rootfs, smaps
+from branchbox.runtime import procfs, rootfs, smaps
 from branchbox.runtime.cgroups import Limits, SandboxCgroup, favor_dynamic_moves
 from branchbox.runtime.channel import AgentChannel, AgentError, interrupt_repl
 from branchbox.runtime.family import Family, Zygote, spawn_family
@@ -431,7 +431,9 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
             raise
         body = Body(key, stack, cgroup, channel)
         try:  # its own address on the bridge; no egress until create applies a policy
-            await self.net.attach(key, cgroup, int((await channel.call("ping")).get("pid") or 0))
+            repl = int((await channel.call("ping")).get("pid") or 0)
+            body.repl_host = procfs.find_repl(cgroup.leaf_pids("repl"), repl)
+            await self.net.attach(key, cgroup, body.repl_host)
             resolv = self.net.resolv_conf()
             if resolv is not None:
                 await channel.call("write", {"path": "/etc/resolv.conf", "more": False}, resolv)

@@ -129,6 +129,9 @@ class Dormant:
 
 
 def _check(value: int, what: str) -> int:
+    """An answer, or AgentError for -errno. Any int64 may come (the process is a copy of
+    the sandbox's, whose code could have changed it): only a real errno is named."""
     if value < 0:
-        raise AgentError("Internal", f"{what}: {os.strerror(-value)}")
+        why = os.strerror(-value) if -value < 4096 else f"answer {value}"
+        raise AgentError("Internal", f"{what}: {why}")
     return value
