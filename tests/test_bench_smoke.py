@@ -31,3 +31,22 @@ def test_bench_quick_run_code_prints_a_table_and_writes_json(tmp_path: Path) -> 
         summary = row["summary"]
         assert summary["n"] == len(row["samples"]) > 0
         assert summary["p50"] <= summary["p90"] <= summary["max"]
+
+
+def test_bench_forks_beside_sandlock_in_one_sitting(tmp_path: Path) -> None:
+    """The side-by-side suite measures both: sandlock (a test dependency) is found, forks
+    in its own process, and every point has our row and its row, each with samples."""
+    require_root()
+    path = tmp_path / "bench.json"
+    result = CliRunner().invoke(
+        app, ["bench", "--quick", "--only", "vs_sandlock", "--json", str(path)]
+    )
+    assert result.exit_code == 0, result.output
+    suite = json.loads(path.read_text())["suites"]["vs_sandlock"]
+    assert suite["error"] is None, suite["error"]
+    rows = {row["name"]: row for row in suite["rows"]}
+    for point in ("fork(1)", "fork(5)", "100 children"):
+        ours, theirs = rows[f"{point}: branchbox"], rows[f"{point}: sandlock 0.9.0"]
+        assert ours["samples"] and theirs["samples"], (ours, theirs)
+        assert [ratio["ref"] for ratio in ours["ratios"]] == [theirs["name"]]
+        assert "failed" not in theirs["note"], theirs["note"]

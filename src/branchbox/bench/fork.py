@@ -4,15 +4,18 @@ long the parent's REPL is paused by each fork, and where a one-call fork's time
 goes: the engine's phases (``last_fork["phases"]``) and what is left outside the
 engine (SDK, HTTP, server).
 
-The time is the SDK call until every child is running; children are closed
-outside the timed span.
+The time is the SDK's fork call until every child is running; the read of the daemon's
+timings after it and the closing of the children are outside the timed span.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 from branchbox.bench.floor import ballast_code, floor_samples
-from branchbox.bench.measure import Context, Ratio, Row, close_all, timed
-from branchbox.sdk import InvalidRequest, Sandbox
+from branchbox.bench.measure import Context, Ratio, Row, close_all
+from branchbox.sdk import Sandbox
 
 TITLE = "fork(n) against the floor"
 PAUSE_TITLE = "parent REPL paused during fork(n)"
@@ -21,24 +24,32 @@ PHASES_TITLE = "where a fork's time goes (engine phases, then outside the engine
 SERVER_LIMIT = 32  # the server's default largest n per call (API.md)
 
 
-def fork_many(parent: Sandbox, n: int) -> tuple[list[Sandbox], dict, int]:
-    """fork(n) in one call if the server allows it, else in calls of SERVER_LIMIT.
+@dataclass
+class Forked:
+    """What one fork(n) gave: the children, the milliseconds the fork calls took (the
+    ``info()`` reads of the daemon's timings after each are not counted), the daemon's
+    ``last_fork`` (its ``repl_paused`` summed over the calls), and how many calls."""
 
-    Returns the children, the daemon's ``last_fork`` (its ``repl_paused``: the
-    parent's REPL pause in seconds, summed over the calls), and how many calls it took.
-    """
-    try:
-        return parent.fork(n), parent.info()["last_fork"], 1
-    except InvalidRequest:
-        if n <= SERVER_LIMIT:
-            raise
+    children: list[Sandbox]
+    ms: float
+    last: dict
+    calls: int
+
+
+def fork_many(parent: Sandbox, n: int) -> Forked:
+    """fork(n) in one call if the server allows it, else in calls of SERVER_LIMIT."""
     sizes = [SERVER_LIMIT] * (n // SERVER_LIMIT) + [n % SERVER_LIMIT] * bool(n % SERVER_LIMIT)
-    kids: list[Sandbox] = []
+    out = Forked([], 0.0, {}, len(sizes))
     paused = 0.0
     for size in sizes:
-        kids += parent.fork(size)
-        paused += parent.info()["last_fork"]["repl_paused"]
-    return kids, {"repl_paused": paused}, len(sizes)
+        t0 = time.perf_counter()
+        out.children += parent.fork(size)
+        out.ms += 1000 * (time.perf_counter() - t0)
+        out.last = parent.info()["last_fork"]
+        paused += out.last["repl_paused"]
+    if out.calls > 1:  # one call's phases are not the whole fork's
+        out.last = {"repl_paused": paused}
+    return out
 
 
 def run(ctx: Context) -> list[Row]:
@@ -65,21 +76,19 @@ def _cell(ctx: Context, parent: Sandbox, megabytes: int, n: int) -> list[Row]:
     """The rows of one (parent state, n) point: floor, fork, pause."""
     reps = ctx.pick(2, 10 if n <= 5 else 5 if n <= SERVER_LIMIT else 3)
     ctx.step(f"fork({n}), parent holding {megabytes} MiB")
+    samples: list[float] = []
     pauses: list[float] = []
     engine: list[dict] = []  # each one-call fork's last_fork
-    calls = 1
-
-    def fork_n() -> list[Sandbox]:
-        nonlocal calls
-        kids, last, calls = fork_many(parent, n)
-        pauses.append(1000 * last["repl_paused"])
-        if "phases" in last:
-            engine.append(last)
-        return kids
-
-    samples = timed(fork_n, reps, close_all)
+    for _ in range(reps):
+        forked = fork_many(parent, n)
+        close_all(forked.children)
+        samples.append(forked.ms)
+        pauses.append(1000 * forked.last["repl_paused"])
+        if "phases" in forked.last:
+            engine.append(forked.last)
     params = {"n": n, "parent_mb": megabytes}
-    note = "" if calls == 1 else f"{calls} calls: the server allows n ≤ {SERVER_LIMIT} per call"
+    note = "" if forked.calls == 1 else (f"{forked.calls} calls: the server allows "
+                                         f"n ≤ {SERVER_LIMIT} per call")
     floor = Row(
         f"raw os.fork() ×{n}, {megabytes} MiB process",
         floor_samples(megabytes, n, reps),
