@@ -152,10 +152,11 @@ def _leftovers() -> list[str]:
 
 
 def _network_leftovers() -> list[str]:
-    """A daemon's bridge (``bbr<tag>``) and sandbox ports (``bv<tag>...``), its nftables
-    tables (``bb-<tag>``) and the test's "outside" namespaces and veths."""
+    """A daemon's bridges (``bbr<tag>...``), trunks (``bt<tag>...``) and sandbox ports
+    (``bv<tag>...``), its nftables tables (``bb-<tag>``) and the test's "outside"
+    namespaces and veths."""
     found = [f"link: {path.name}" for path in Path("/sys/class/net").iterdir()
-             if path.name.startswith(("bbr", "bv", "bbto"))]
+             if path.name.startswith(("bbr", "bt", "bv", "bbto"))]
     found += [f"netns: {path.name}" for path in Path("/run/netns").glob("bbtest-*")]
     try:
         from branchbox.runtime.nft import Nft, NftError

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import functools
 import ipaddress
+import operator
 import os
 import socket
 import subprocess
@@ -20,8 +23,10 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from pyroute2.netlink.rtnl import RTM_DELLINK, RTM_NEWLINK
 
 from branchbox.runtime import netlink_msgs
+from branchbox.runtime.netlink_helper import Netlink
 from branchbox.runtime.network import Helper, Network, NetworkError
 
 SUBNET = ipaddress.ip_network("10.251.0.0/24")  # routed nowhere else: the bridge is ours
@@ -59,6 +64,7 @@ async def _network() -> AsyncIterator[Network]:
         net.bridge_index = (await net.helper.call(
             "bridge", name=net.bridge, address=net.gateway, prefix=SUBNET.prefixlen,
             mac=net.bridge_mac()))["index"]
+        net.bridges = [(net.bridge, net.bridge_index)]
         yield net
     finally:
         await net.sweep(bridge_too=True)
@@ -135,12 +141,76 @@ def test_a_failed_message_of_a_batch_is_reported() -> None:
             port, mac = f"{net.port_prefix}9", "02:bb:0a:fb:00:09"
             wire = netlink_msgs.PlugMessages(
                 netlink_msgs.veth(port, net.bridge_index, mac),
-                netlink_msgs.configure(99, "10.251.0.9", 24, net.gateway))
+                netlink_msgs.configure(99, "10.251.0.9", 24, net.gateway), net.bridge_index)
             fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
             with pytest.raises(NetworkError, match="No such device"):
                 await net.plug(port, mac, "10.251.0.9", wire, fd)
     with _holder(False) as holder:
         asyncio.run(scenario(holder.pid))
+
+
+def test_a_bridge_that_is_full_has_the_next_made_and_the_port_goes_there() -> None:
+    """The kernel takes 1023 ports per bridge. A plug it refuses (EXFULL: more ports went
+    on a leaf than its share) goes on the first bridge with room, or, when none has, on
+    the next leaf, made then and joined to the hub by a trunk; addressed as ever."""
+    async def scenario(pid: int) -> None:
+        async with _network() as net:
+            await net.grow(1)
+            _, leaf = net.bridges[1]
+            with _full(net, leaf):
+                for n, share, bridge in ((7, 900, net.bridge), (8, 1, f"{net.bridge}x2")):
+                    net.ports_per_bridge = share  # 1: the hub (its trunk) has no room
+                    port, mac = f"{net.port_prefix}{n}", f"02:bb:0a:fb:00:{n:02x}"
+                    address = str(SUBNET.network_address + n)
+                    fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+                    await net.plug(port, mac, address,
+                                   net.plug_messages(port, mac, address, leaf), fd)
+                    assert _master(port) == bridge
+                    assert address in _inside(pid)[0]
+                    await net.unplug([port])  # one eth0 per namespace
+            assert [name for name, _ in net.bridges] == [
+                net.bridge, f"{net.bridge}x1", f"{net.bridge}x2"]
+            assert _master(f"{net.trunk_prefix}l2") == f"{net.bridge}x2"
+            assert _master(f"{net.trunk_prefix}h2") == net.bridge
+    with _holder(False) as holder:
+        asyncio.run(scenario(holder.pid))
+
+
+def _master(link: str) -> str:
+    return os.path.basename(os.readlink(f"/sys/class/net/{link}/master"))
+
+
+FILL_GROUP = 0xBB5  # the filler links' group: deleted together (one by one, each waits
+                    # ~17 ms for RCU: 17 s for a bridge's worth)
+
+
+@contextlib.contextmanager
+def _full(net: Network, bridge: int) -> Iterator[None]:
+    """The bridge ``bridge`` full (its trunk and 1022 veth pairs' ends), for the block."""
+    nl = Netlink()
+    try:
+        pairs = [netlink_msgs.trunk(f"{net.port_prefix}d{i}", bridge, f"{net.port_prefix}e{i}")
+                 for i in range(1022)]
+        grouped = [_in_group(f"{net.port_prefix}d{i}") for i in range(1022)]
+        for first in range(0, len(pairs), 64):
+            nl.send(functools.reduce(operator.add, pairs[first:first + 64]))
+            nl.send(functools.reduce(operator.add, grouped[first:first + 64]))
+        with pytest.raises(OSError) as refused:
+            nl.send(netlink_msgs.trunk(f"{net.port_prefix}d1022", bridge,
+                                       f"{net.port_prefix}e1022"))
+        assert refused.value.errno == errno.EXFULL
+        yield
+    finally:
+        message = netlink_msgs._link()
+        message["attrs"] = [("IFLA_GROUP", FILL_GROUP)]
+        nl.send(netlink_msgs._encoded(message, RTM_DELLINK, netlink_msgs.ACK))
+        nl.close()
+
+
+def _in_group(name: str) -> netlink_msgs.Batch:
+    message = netlink_msgs._link()
+    message["attrs"] = [("IFLA_IFNAME", name), ("IFLA_GROUP", FILL_GROUP)]
+    return netlink_msgs._encoded(message, RTM_NEWLINK, netlink_msgs.ACK)
 
 
 def test_plug_each_plugs_every_namespace_given() -> None:

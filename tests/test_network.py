@@ -398,6 +398,70 @@ def test_sandboxes_cannot_reach_each_other(make: Callable[..., Sandbox]) -> None
         sibling.close()
 
 
+def test_past_a_bridges_ports_sandboxes_go_on_leaf_bridges(
+        harness: Harness, monkeypatch: pytest.MonkeyPatch, outside: Outside) -> None:
+    """The kernel takes at most 1023 ports per bridge (a daemon of ~1,000 sandboxes hit
+    EXFULL): past a bridge's share, ports go on leaf bridges joined to the hub by trunks.
+    Here 4 ports per bridge: a family of 11 spreads over several leaves; every member is
+    reached from the host, reaches the outside, and reaches no other member (on its own
+    leaf, another leaf or the hub); at stop the leaves and trunks go. (A daemon of its
+    own: the module's keeps the full share.)"""
+    monkeypatch.setenv("BRANCHBOX_BRIDGE_PORTS", "4")
+    own = Harness(harness.backend)
+    net = own.engine.net.net
+    try:
+        with own.sandbox(internet=True) as sb:
+            sb.run_code("import socket; srv = socket.create_server(('0.0.0.0', 8000))")
+            kids = sb.fork(n=10)
+            family = [sb, *kids]
+            for member in family:  # the host reaches each (and its bridge learns its MAC)
+                with socket.create_connection((member.ip, 8000), timeout=10):
+                    pass
+            on = {member.id: _bridge_of(member.ip) for member in family}
+            leaves = {bridge for bridge in on.values() if bridge != net.bridge}
+            assert len(leaves) >= 2, on
+            for name, _ in net.bridges:  # each bridge's share, give or take a chunk
+                assert len(os.listdir(f"/sys/class/net/{name}/brif")) <= 4 + 8 + 1, name
+            a = next(k for k in kids if on[k.id] != net.bridge)
+            b = next(k for k in kids if on[k.id] not in (net.bridge, on[a.id]))
+            same = [k for k in kids if k is not a and on[k.id] == on[a.id]]
+            assert probe(a, OUTSIDE, HTTP_PORT)[0].startswith("ok HTTP/1.0 200")
+            assert _connects(a, a.ip, 8000)  # what is refused below is refused by the network
+            for target in [sb, b, *same]:
+                assert not _connects(a, target.ip, 8000), (on[a.id], on[target.id])
+            assert not _connects(sb, a.ip, 8000)
+            for kid in kids:
+                kid.close()
+    finally:
+        names = [name for name, _ in net.bridges]
+        own.stop()
+    left = [name for name in os.listdir("/sys/class/net")
+            if name in names or name.startswith(net.trunk_prefix)]
+    assert not left, left
+
+
+def _connects(sb: Sandbox, host: str, port: int) -> bool:
+    """Whether a TCP connection from inside ``sb`` to ``host:port`` is accepted (a REPL's
+    listening socket accepts in the kernel: nothing answers on it)."""
+    code = ("import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), "
+            "timeout=2).close()")
+    return sb.exec(["python3", "-c", code, host, str(port)], timeout=60).exit_code == 0
+
+
+def _bridge_of(address: str) -> str:
+    """The bridge the port of the sandbox at ``address`` is on (its MAC is derived from
+    the address; the host end's is the kernel's, so the port is found by its peer's
+    neighbour entry on the hub)."""
+    mac = "02:bb:" + ":".join(f"{b:02x}" for b in ipaddress.IPv4Address(address).packed)
+    for line in subprocess.run(["bridge", "fdb", "show"], capture_output=True, text=True,
+                               check=True).stdout.splitlines():
+        fields = line.split()
+        if fields[0] == mac and fields[1:2] == ["dev"] and fields[2].startswith("bv") \
+                and "master" in fields:
+            return fields[fields.index("master") + 1]
+    raise AssertionError(f"no port holds {mac}")
+
+
 def _wait_ok(sb: Sandbox, host: str, port: int) -> bool:
     for _ in range(50):
         if probe(sb, host, port, timeout=2)[0].startswith("ok"):

@@ -98,6 +98,7 @@ class SandboxNetwork:
         self._names = itertools.count(1)
         self._used: set[int] = set()
         self._refill: asyncio.Handle | None = None
+        self._growing: asyncio.Task | None = None  # the next bridge being made
         self._dying: dict[str, tuple[Port, float]] = {}  # released, link not yet gone
         self._unplugging: set[asyncio.Task] = set()
         self.made: dict[tuple[int, int], list[Made]] = {}  # family launcher -> ready
@@ -121,8 +122,8 @@ class SandboxNetwork:
         for address, name, mac, body in kept:
             if ipaddress.IPv4Address(address) not in self.net.subnet:
                 continue
-            port = Port(name, mac, address, self.net.plug_messages(name, mac, address),
-                        plugged=True)
+            port = Port(name, mac, address, self.net.plug_messages(
+                name, mac, address, self.net.bridge_of(name)), plugged=True)
             self.ports[body] = port
             self._used.add(int(ipaddress.IPv4Address(address)) - base)
             self.db.execute("INSERT INTO net_leases VALUES (?, ?, ?, ?)",
@@ -136,6 +137,7 @@ class SandboxNetwork:
     async def stop(self) -> None:
         if self._refill is not None:
             self._refill.cancel()
+        await self._stop_growing()
         await self._drop_all_made()
         await asyncio.gather(*self._unplugging, return_exceptions=True)
         self._dying.clear()
@@ -147,11 +149,19 @@ class SandboxNetwork:
         the firewall stay for the next daemon; only this one's helper ends."""
         if self._refill is not None:
             self._refill.cancel()
+        await self._stop_growing()
         await self._drop_all_made()  # their links go with them; the next daemon sweeps leases
         self.net.detach()
 
+    async def _stop_growing(self) -> None:
+        """A bridge being made is made (the helper serves one request at a time, and its
+        reply frees nothing): wait for it instead of leaving a half-joined leaf."""
+        if self._growing is not None:
+            await asyncio.gather(self._growing, return_exceptions=True)
+
     # ------------------------------------------------------------------ leases
-    def _lease(self) -> Port:
+    def _lease(self, bridge: int) -> Port:
+        """A free address, its port (to go on the bridge of index ``bridge``), recorded."""
         subnet = self.net.subnet
         for n in range(2, subnet.num_addresses - 1):
             if n not in self._used:
@@ -161,7 +171,7 @@ class SandboxNetwork:
             raise errors.EngineError(f"no free address left in {subnet}")
         address = str(subnet.network_address + n)
         name, mac = f"{self.net.port_prefix}{next(self._names) & 0xFFFFFF:x}", _mac(address)
-        port = Port(name, mac, address, self.net.plug_messages(name, mac, address))
+        port = Port(name, mac, address, self.net.plug_messages(name, mac, address, bridge))
         self.db.execute("INSERT OR REPLACE INTO net_leases VALUES (?, ?, ?, NULL)",
                         (address, port.name, port.mac))
         return port
@@ -171,10 +181,20 @@ class SandboxNetwork:
         self._used.discard(int(ipaddress.IPv4Address(address)) - base)
         self.db.execute("DELETE FROM net_leases WHERE address = ?", (address,))
 
-    def _prepare(self, n: int) -> list[Port]:
-        """Leases admitted by the firewall before anyone needs them (one transaction)."""
+    def _prepare(self, n: int, *, within_room: bool = False) -> list[Port]:
+        """Leases admitted by the firewall before anyone needs them (one transaction), each
+        on the first bridge with room (the last one when none has: a fork's path does not
+        wait for a bridge). ``within_room``: no more than the bridges have room for."""
         self._reap()
-        fresh = [self._lease() for _ in range(n)]
+        taken = self._on_bridges()
+        fresh = []
+        for _ in range(n):
+            bridge = self.net.bridge_with_room(taken)
+            if within_room and bridge is None:
+                break
+            bridge = self.net.bridges[-1][1] if bridge is None else bridge
+            taken[bridge] += 1
+            fresh.append(self._lease(bridge))
         try:
             self.net.firewall.add_ports([(p.name, p.mac, p.address) for p in fresh])
         except Exception:
@@ -182,6 +202,34 @@ class SandboxNetwork:
                 self._free(p.address)
             raise
         return fresh
+
+    def _on_bridges(self) -> collections.Counter[int]:
+        """How many ports of this daemon each bridge has or will have (by index): those
+        ready, bound, made ahead and dying (a port leaves its bridge with its link)."""
+        ports = [*self.ready, *self.ports.values(),
+                 *(m.port for made in self.made.values() for m in made),
+                 *(port for port, _ in self._dying.values())]
+        return collections.Counter(port.wire.bridge for port in ports)
+
+    def _room(self) -> int:
+        """How many more ports the bridges have room for. The next bridge is made in the
+        background once the newest is mostly taken; refills and namespaces made ahead wait
+        for it (a port whose bridge is full would go on the last one, past its share)."""
+        taken = self._on_bridges()
+        if self._growing is None and self.net.wants_bridge(taken):
+            self._growing = asyncio.get_running_loop().create_task(
+                self.net.grow(len(self.net.bridges)))
+            self._growing.add_done_callback(self._grown)
+        return self.net.room(taken)
+
+    def _grown(self, task: asyncio.Task) -> None:
+        self._growing = None
+        if task.cancelled():
+            return
+        if task.exception() is not None:
+            log.warning("network: making the next bridge failed: %s", task.exception())
+        else:
+            self.refill_soon()
 
     def take(self, body_key: str) -> Port:
         if not self.ready:  # a fork larger than the pool: the rest on its path
@@ -198,10 +246,10 @@ class SandboxNetwork:
         """Fill the pool of prepared ports, a chunk per turn of the event loop (so other
         requests are not held up for the whole pool's encoding)."""
         self._refill = None
-        if len(self.ready) >= POOL:
+        if len(self.ready) >= POOL or not self._room():  # a new bridge calls again
             return
         try:
-            self.ready += self._prepare(min(CHUNK, POOL - len(self.ready)))
+            self.ready += self._prepare(min(CHUNK, POOL - len(self.ready)), within_room=True)
         except Exception as exc:  # noqa: BLE001 - the next take prepares on its own
             log.warning("network: preparing ports failed: %s", exc)
             return
@@ -340,9 +388,14 @@ class SandboxNetwork:
         ident = family.ident
         while ident in self._made_want and \
                 len(self.made.setdefault(ident, [])) < self._made_want[ident]:
+            while not (room := self._room()):
+                growing = self._growing
+                await asyncio.wait({growing})  # started by _room: none has room
+                if growing.cancelled() or growing.exception() is not None:
+                    return  # (logged) the family's children are plugged after their hello
             try:
                 fds = await family.make_namespaces(
-                    min(CHUNK, self._made_want[ident] - len(self.made[ident])))
+                    min(CHUNK, self._made_want[ident] - len(self.made[ident]), room))
             except OSError:  # the family is gone (a fork's wish may come after drop_made)
                 self._made_want.pop(ident, None)
                 return

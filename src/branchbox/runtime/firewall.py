@@ -4,7 +4,10 @@
   * a frame from a sandbox port passes only if (port, source MAC, source IPv4)
     is that port's lease: no spoofing of another address or MAC, ARP included,
     and nothing but IPv4 and ARP (no IPv6, no raw ethertypes);
-  * port to port is dropped: two sandboxes never talk over the bridge.
+  * port to port is dropped: two sandboxes never talk over the bridge;
+  * from a trunk (the link between the hub and a leaf bridge) into a port, only
+    the hub's own frames pass (the gateway's): a sandbox on one bridge never
+    reaches one on another either.
 
 ``inet bb-<tag>``:
   * input from the bridge: only replies to connections the host opened (the
@@ -16,7 +19,8 @@
     maps to ``accept`` (internet on), a policy chain (allow/deny lists) or
     nothing (rejected: refused or unreachable at once). Every packet is looked
     up, so a policy change also cuts connections already open;
-  * masquerade of the subnet on the way out.
+  * masquerade of the subnet on the way out;
+  * no connection tracking of frames bridged across a leaf (see ``install``).
 
 A policy chain is shared by every sandbox with the same policy (fork children
 inherit theirs), so a fork only adds map elements.
@@ -53,12 +57,15 @@ def _cidrs(entries: list[str]) -> dict:
 
 
 class Firewall:
-    def __init__(self, tag: str, bridge: str, subnet: str, port_prefix: str) -> None:
+    def __init__(self, tag: str, bridge: str, subnet: str, port_prefix: str,
+                 trunk_prefix: str, bridge_mac: str) -> None:
         self.nft = Nft()
         self.name = f"bb-{tag}"
         self.bridge = bridge
+        self.bridge_mac = bridge_mac
         self.subnet = subnet
         self.port_glob = port_prefix + "*"
+        self.trunk_glob = trunk_prefix + "*"
         self.chains: dict[str, set[str]] = {}  # policy chain -> addresses using it
 
     # ------------------------------------------------------------------ set-up
@@ -84,7 +91,9 @@ class Firewall:
                 "drop",
             ],
             ("bridge", "sb_fwd"): [f'iifname "{self.port_glob}" oifname "{self.port_glob}" '
-                                   'drop'],
+                                   'drop',
+                                   f'iifname "{self.trunk_glob}" oifname "{self.port_glob}" '
+                                   f'ether saddr != {self.bridge_mac} drop'],
             # A packet conntrack calls invalid (out of its window, as a fast stream's
             # late segments can be) is dropped, never answered: a reset would kill a
             # healthy connection.
@@ -97,6 +106,12 @@ class Firewall:
                                  f'iifname "{br}" ip saddr vmap @egress',
                                  *(f'iifname "{br}" {r}' for r in _REJECT_TEXT)],
             ("inet", "sb_nat"): [f'ip saddr {net}/{length} oifname != "{br}" masquerade'],
+            # With br_netfilter loaded, a frame bridged across a leaf (a sandbox to or from
+            # its trunk) passes these hooks too, the leaf its input and output. Tracked
+            # there, a connection would be NATed there (not at all: masqueraded to the
+            # leaf's no address, or not), never again at the hub where it is routed out.
+            # Only the hub tracks (a trunk's veth forgets the leaf's entry anyway).
+            ("inet", "sb_raw"): [f'iifname "{br}x*" notrack'],
         }
         # The base ruleset in nft's own syntax (libnftables parses it in the same
         # transaction machinery as JSON); per-sandbox changes below are JSON.
@@ -116,6 +131,8 @@ table inet {t} {{
     {'; '.join(rules['inet', 'sb_fwd'])}; }}
   chain sb_nat {{ type nat hook postrouting priority 100; policy accept;
     {'; '.join(rules['inet', 'sb_nat'])}; }}
+  chain sb_raw {{ type filter hook prerouting priority raw; policy accept;
+    {'; '.join(rules['inet', 'sb_raw'])}; }}
 }}
 """
         self.nft.run_text(text)

@@ -117,6 +117,14 @@ class Helper:
             index, req["address"], req["prefix"], ok=(17,)))  # EEXIST: a restarted daemon's
         return {"index": index}
 
+    def op_leaf(self, req: dict, fds: list[int]) -> dict:
+        """A leaf bridge (no address) joined to the hub by a veth pair, both ends up."""
+        self.host.send(msgs.bridge(req["name"], req["mac"]))
+        index = socket.if_nametoindex(req["name"])
+        self.host.send(msgs.trunk(req["hub_end"], req["hub"], req["leaf_end"]))
+        self.host.send(msgs.enslave(socket.if_nametoindex(req["leaf_end"]), index))
+        return {"index": index}
+
     @contextlib.contextmanager
     def _in_slot(self, netns_fd: int):
         """``netns_fd`` at the slot the pre-encoded messages name, for the ``with`` block;

@@ -101,6 +101,26 @@ def bridge(name: str, mac: str) -> Batch:
     return _encoded(msg, RTM_NEWLINK, ACK | NLM_F_CREATE)
 
 
+def trunk(hub_end: str, hub_index: int, leaf_end: str) -> Batch:
+    """A veth pair on the host: ``hub_end`` up on the hub bridge, ``leaf_end`` (down, no
+    bridge yet: a new link's peer takes no master)."""
+    peer = {"attrs": [("IFLA_IFNAME", leaf_end)]}
+    msg = _link(flags=IFF_UP, change=IFF_UP)
+    msg["attrs"] = [
+        ("IFLA_IFNAME", hub_end), ("IFLA_MASTER", hub_index),
+        ("IFLA_LINKINFO", {"attrs": [
+            ("IFLA_INFO_KIND", "veth"),
+            ("IFLA_INFO_DATA", {"attrs": [("VETH_INFO_PEER", peer)]})]})]
+    return _encoded(msg, RTM_NEWLINK, ACK | NLM_F_CREATE, ok=(17,))  # a kept daemon's
+
+
+def enslave(index: int, bridge_index: int) -> Batch:
+    """Link ``index`` up on the bridge ``bridge_index``."""
+    msg = _link(index, flags=IFF_UP, change=IFF_UP)
+    msg["attrs"] = [("IFLA_MASTER", bridge_index)]
+    return _encoded(msg, RTM_NEWLINK, ACK)
+
+
 def veth(port: str, bridge_index: int, mac: str, peer_index: int = PEER_INDEX) -> Batch:
     """A veth pair: ``port`` up on the bridge, its peer ``eth0`` (MAC ``mac``, ifindex
     ``peer_index``, 0: the kernel picks) created in the namespace at :data:`NETNS_SLOT`."""
@@ -152,9 +172,10 @@ class PlugMessages:
 
     veth: Batch
     inside: Batch
+    bridge: int  # the index of the bridge the port goes on
 
 
 def plug_messages(port: str, mac: str, addr: str, prefix: int, gateway: str,
                   bridge_index: int) -> PlugMessages:
     return PlugMessages(veth(port, bridge_index, mac),
-                        configure(PEER_INDEX, addr, prefix, gateway))
+                        configure(PEER_INDEX, addr, prefix, gateway), bridge_index)

@@ -3,11 +3,15 @@
 Layout (per daemon; names carry a tag of its data directory, so a test daemon
 and ``make run`` never touch each other's):
 
-* a bridge ``bbr<tag>`` holding the gateway address, the first of a /16 that
-  no host route or address overlaps (``10.89.0.0/16`` and up), or
+* a bridge ``bbr<tag>`` (the hub) holding the gateway address, the first of a /16
+  that no host route or address overlaps (``10.89.0.0/16`` and up), or
   ``BRANCHBOX_SUBNET``;
-* per sandbox a veth pair: ``bv<tag><n>`` on the bridge, ``eth0`` inside the
+* per sandbox a veth pair: ``bv<tag><n>`` on a bridge, ``eth0`` inside the
   sandbox's own network namespace with its leased address and a default route;
+* leaf bridges ``bbr<tag>x<k>``, made as the bridges there fill up (the kernel
+  takes at most 1023 ports per bridge), each joined to the hub by a veth pair
+  ``bt<tag>h<k>`` / ``bt<tag>l<k>`` (a trunk): one Ethernet segment, so the
+  subnet, the gateway and every rule on the hub hold for a leaf's sandboxes too;
 * the firewall of ``runtime.firewall``;
 * ``runtime.netlink_helper``, the only process that changes namespace.
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import ipaddress
 import json
@@ -30,6 +35,7 @@ import subprocess
 import sys
 import time
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 
 from branchbox.runtime import netlink_msgs as msgs
@@ -37,10 +43,29 @@ from branchbox.runtime.firewall import Firewall
 
 DEFAULT_FIRST_SUBNET = ipaddress.ip_network("10.89.0.0/16")
 LOCK_PATH = Path("/run/branchbox/network.lock")
+PORTS_MAX = 900
+"""Sandbox ports a bridge takes (``BRANCHBOX_BRIDGE_PORTS``, at most this) before the
+next is used. The kernel's limit is 1023 ports: the hub keeps room for its trunks, and
+ports prepared for a bridge may still land on it after it reached the count."""
+GROW_AT = 0.8  # of a bridge's ports: the next bridge is made then, off any fork's path
+
+
+def bridge_ports() -> int:
+    """Sandbox ports per bridge: ``BRANCHBOX_BRIDGE_PORTS`` (1..PORTS_MAX), else the most."""
+    raw = os.environ.get("BRANCHBOX_BRIDGE_PORTS", str(PORTS_MAX))
+    if not raw.isdigit() or not 1 <= int(raw) <= PORTS_MAX:
+        raise ValueError(f"BRANCHBOX_BRIDGE_PORTS must be between 1 and {PORTS_MAX}, "
+                         f"not {raw!r}")
+    return int(raw)
 
 
 class NetworkError(RuntimeError):
-    """The network could not be set up or changed; the message says why."""
+    """The network could not be set up or changed; the message says why (``errno``: the
+    kernel's, 0 if none)."""
+
+    def __init__(self, message: str, errno: int = 0) -> None:
+        super().__init__(message)
+        self.errno = errno
 
 
 def host_networks() -> list[ipaddress.IPv4Network]:
@@ -177,7 +202,7 @@ class Helper:
             raise NetworkError(f"the netlink helper did not answer {op} within "
                                f"{HELPER_TIMEOUT:g} s") from None
         if not reply.get("ok"):
-            raise NetworkError(reply.get("error") or f"{op} failed")
+            raise NetworkError(reply.get("error") or f"{op} failed", reply.get("errno") or 0)
         return reply
 
     def _fail_waiting(self) -> None:
@@ -198,16 +223,20 @@ class Helper:
 
 
 class Network:
-    """The bridge, firewall and helper of one daemon."""
+    """The bridges, firewall and helper of one daemon."""
 
     def __init__(self, tag: str, subnet: str | None = None) -> None:
         self.tag = tag
-        self.bridge = f"bbr{tag}"
+        self.bridge = f"bbr{tag}"  # the hub
         self.port_prefix = f"bv{tag}"
+        self.trunk_prefix = f"bt{tag}"
         self.subnet_arg = subnet
         self.subnet: ipaddress.IPv4Network | None = None
         self.gateway = ""
-        self.bridge_index = 0
+        self.bridge_index = 0  # the hub's
+        self.bridges: list[tuple[str, int]] = []  # (name, index): the hub, then the leaves
+        self.ports_per_bridge = bridge_ports()
+        self._growing = asyncio.Lock()
         self.helper: Helper | None = None
         self.maker: Helper | None = None  # plugs namespaces made ahead: never in a fork's way
         self.firewall: Firewall | None = None
@@ -224,7 +253,7 @@ class Network:
         LOCK_PATH.parent.mkdir(parents=True, exist_ok=True)
         with open(LOCK_PATH, "w") as lock:  # two daemons starting must not pick one subnet
             fcntl.flock(lock, fcntl.LOCK_EX)
-            await self.sweep(bridge_too=not keep, keep=keep)
+            names = await self.sweep(bridge_too=not keep, keep=keep)
             if keep and subnet:
                 self.subnet = ipaddress.ip_network(subnet)
             elif self.subnet_arg:
@@ -235,38 +264,112 @@ class Network:
             reply = await self.helper.call("bridge", name=self.bridge, address=self.gateway,
                                            prefix=self.subnet.prefixlen, mac=self.bridge_mac())
         self.bridge_index = reply["index"]
-        for path, value in ((f"/proc/sys/net/ipv6/conf/{self.bridge}/disable_ipv6", "1"),
-                            ("/proc/sys/net/ipv4/ip_forward", "1")):
-            with contextlib.suppress(OSError):
-                Path(path).write_text(value)
-        self.firewall = Firewall(self.tag, self.bridge, str(self.subnet), self.port_prefix)
+        self.bridges = [(self.bridge, self.bridge_index)]
+        # A restarted daemon that keeps its sandboxes keeps their leaves too (a sweep
+        # removed them otherwise), in the order they were made.
+        numbered = ((n.removeprefix(self._leaf("")), n) for n in names
+                    if n.startswith(self._leaf("")))
+        for _, name in sorted((int(k), n) for k, n in numbered if k.isdigit()) if keep else ():
+            self.bridges.append((name, socket.if_nametoindex(name)))
+        _without_ipv6(self.bridge)
+        with contextlib.suppress(OSError):
+            Path("/proc/sys/net/ipv4/ip_forward").write_text("1")
+        self.firewall = Firewall(self.tag, self.bridge, str(self.subnet), self.port_prefix,
+                                 self.trunk_prefix, self.bridge_mac())
         self.firewall.install()
 
-    def bridge_mac(self) -> str:
-        """A fixed, locally administered MAC for the bridge (sandboxes' ports are
-        ``02:bb:<address>``; this one ``02:bc:<tag>``, never the same)."""
-        digits = f"{zlib.crc32(self.tag.encode()):08x}"
-        return "02:bc:" + ":".join(digits[i:i + 2] for i in range(0, 8, 2))
+    def _leaf(self, k: int | str) -> str:
+        return f"{self.bridge}x{k}"
 
-    async def sweep(self, *, bridge_too: bool, keep: set[str] = frozenset()) -> None:
-        """Delete this daemon's ports (and bridge) left on the host, but those in ``keep``."""
+    def bridge_mac(self, leaf: int = 0) -> str:
+        """A fixed, locally administered MAC for the hub (sandboxes' ports are
+        ``02:bb:<address>``; the hub's ``02:bc:<tag>``, a leaf's ``02:bd:…``, never the
+        same). Without one a bridge takes its ports' lowest, which changes as
+        sandboxes come and go."""
+        seed = self.tag + (f"x{leaf}" if leaf else "")
+        digits = f"{zlib.crc32(seed.encode()):08x}"
+        prefix = "02:bd:" if leaf else "02:bc:"
+        return prefix + ":".join(digits[i:i + 2] for i in range(0, 8, 2))
+
+    async def sweep(self, *, bridge_too: bool, keep: set[str] = frozenset()) -> list[str]:
+        """Delete this daemon's ports (and bridges, trunks) left on the host, but those in
+        ``keep``. Returns the host's link names before."""
         names = (await self.helper.call("links"))["names"]
         mine = [n for n in names if n.startswith(self.port_prefix) and n not in keep]
-        if bridge_too and self.bridge in names:
-            mine.append(self.bridge)
+        if bridge_too:
+            mine += [n for n in names if n.startswith(self.trunk_prefix)]
+            mine += [n for n in names if n.startswith(self._leaf(""))]
+            mine += [n for n in names if n == self.bridge]
         if mine:
             await self.helper.call("unplug", names=mine)
+        return names
 
-    def plug_messages(self, port: str, mac: str, address: str) -> msgs.PlugMessages:
-        """A port's plug, encoded now (when it is prepared) instead of at the fork."""
+    def bridge_with_room(self, taken: Mapping[int, int]) -> int | None:
+        """The index of the first bridge with fewer ports than it takes, counting the
+        kernel's and ``taken`` (bridge index -> ports leased for it), whichever is more;
+        None if every bridge is full."""
+        for name, index in self.bridges:
+            if max(_ports_on(name), taken.get(index, 0)) < self.ports_per_bridge:
+                return index
+        return None
+
+    def room(self, taken: Mapping[int, int]) -> int:
+        """How many more ports the bridges take, counted as :meth:`bridge_with_room` does."""
+        return sum(max(0, self.ports_per_bridge - max(_ports_on(name), taken.get(index, 0)))
+                   for name, index in self.bridges)
+
+    def wants_bridge(self, taken: Mapping[int, int]) -> bool:
+        """Whether the newest bridge is full enough that the next should be made now."""
+        name, index = self.bridges[-1]
+        return max(_ports_on(name), taken.get(index, 0)) >= GROW_AT * self.ports_per_bridge
+
+    async def grow(self, seen: int) -> None:
+        """Make the next leaf bridge, unless one was made since the caller saw ``seen``
+        bridges (another caller was first)."""
+        async with self._growing:
+            if len(self.bridges) != seen:
+                return
+            k = len(self.bridges)
+            hub_end, leaf_end = f"{self.trunk_prefix}h{k}", f"{self.trunk_prefix}l{k}"
+            reply = await self.helper.call("leaf", name=self._leaf(k), mac=self.bridge_mac(k),
+                                           hub=self.bridge_index, hub_end=hub_end,
+                                           leaf_end=leaf_end)
+            for name in (self._leaf(k), hub_end, leaf_end):
+                _without_ipv6(name)
+            self.bridges.append((self._leaf(k), reply["index"]))
+
+    def bridge_of(self, port: str) -> int:
+        """The index of the bridge ``port`` is on (a kept sandbox's), the hub's if unknown."""
+        with contextlib.suppress(OSError):
+            return socket.if_nametoindex(os.path.basename(
+                os.readlink(f"/sys/class/net/{port}/master")))
+        return self.bridge_index
+
+    def plug_messages(self, port: str, mac: str, address: str,
+                      bridge: int | None = None) -> msgs.PlugMessages:
+        """A port's plug, encoded now (when it is prepared) instead of at the fork; on the
+        bridge of index ``bridge`` (the hub's by default)."""
         return msgs.plug_messages(port, mac, address, self.subnet.prefixlen, self.gateway,
-                                  self.bridge_index)
+                                  self.bridge_index if bridge is None else bridge)
 
     async def plug(self, port: str, mac: str, address: str, wire: msgs.PlugMessages,
                    netns_fd: int) -> dict:
-        """``port`` on the bridge, its peer ``eth0`` with ``address`` in ``netns_fd``
-        (consumed); ``wire`` is the port's :meth:`plug_messages`."""
+        """``port`` on its bridge, its peer ``eth0`` with ``address`` in ``netns_fd``
+        (consumed); ``wire`` is the port's :meth:`plug_messages`. If its bridge has no
+        port left (EXFULL: more went there than its share), the port goes on the first
+        bridge with room, or on the next, made then."""
         try:
+            try:
+                return await self.helper.call("plug", [netns_fd],
+                                              **self._plug_request(port, mac, address, wire))
+            except NetworkError as exc:
+                if exc.errno != errno.EXFULL:
+                    raise
+            seen, bridge = len(self.bridges), self.bridge_with_room({})
+            if bridge is None:
+                await self.grow(seen)
+                bridge = self.bridges[-1][1]
+            wire = self.plug_messages(port, mac, address, bridge)
             return await self.helper.call("plug", [netns_fd],
                                           **self._plug_request(port, mac, address, wire))
         finally:
@@ -283,7 +386,7 @@ class Network:
                       wire: msgs.PlugMessages) -> dict:
         """What the helper's ``_plug`` takes for one port."""
         return {"port": port, "mac": mac, "address": address, "prefix": self.subnet.prefixlen,
-                "gateway": self.gateway, "bridge": self.bridge_index,
+                "gateway": self.gateway, "bridge": wire.bridge,
                 "veth": wire.veth.data.hex(), "inside": wire.inside.data.hex(),
                 "ok": wire.inside.ok}
 
@@ -312,7 +415,7 @@ class Network:
         self._close_helpers()
 
     async def stop(self) -> None:
-        """Remove the bridge, every port and the firewall."""
+        """Remove the bridges, every port, trunk and the firewall."""
         if self.helper is None:
             return
         try:
@@ -322,3 +425,18 @@ class Network:
                 self.firewall.remove()
                 self.firewall.nft.close()
             self._close_helpers()
+
+
+def _ports_on(bridge: str) -> int:
+    """How many ports the kernel has on ``bridge`` now."""
+    try:
+        return len(os.listdir(f"/sys/class/net/{bridge}/brif"))
+    except OSError:
+        return 0
+
+
+def _without_ipv6(link: str) -> None:
+    """No IPv6 on a link of ours: sandboxes are IPv4 only, and a link-local address
+    would talk on their segment."""
+    with contextlib.suppress(OSError):
+        Path(f"/proc/sys/net/ipv6/conf/{link}/disable_ipv6").write_text("1")
