@@ -14,12 +14,12 @@ So the daemon keeps a deadline of its own for every run with a timeout:
    plainly that the interpreter state the caller relied on is gone.
 
 A call whose client went away is *abandoned* (``runtime.channel``): a run is
-interrupted at once. Until the agent has finished an abandoned call the sandbox's
-lock stays held, so later calls get a clear ``409 busy`` after the engine's bounded
-wait instead of queueing behind a REPL that does not read (and a fork does not
-freeze a sandbox whose REPL cannot answer). An abandoned call that has not ended
-``ORPHAN_GRACE`` seconds after it was given up is stopped hard like a run past its
-deadline.
+interrupted at once, and again every ``REINTERRUPT_EVERY`` while it goes on. Until
+the agent has finished an abandoned call the sandbox's lock stays held, so later
+calls get a clear ``409 busy`` after the engine's bounded wait instead of queueing
+behind a REPL that does not read (and a fork does not freeze a sandbox whose REPL
+cannot answer). An abandoned call that has not ended ``ORPHAN_GRACE`` seconds after
+it was given up is stopped hard like a run past its deadline.
 
 The server tells the engine when a client hangs up (``CALLER_GONE``, set per request
 by ``server.disconnect``): a call still waiting for its sandbox then never runs, and
@@ -47,6 +47,9 @@ KILL_AFTER = 3.0
 """Seconds past a run's timeout before the daemon kills the sandbox's processes."""
 ORPHAN_GRACE = 5.0
 """Seconds an abandoned call has to end (after its interrupt) before the same hard stop."""
+REINTERRUPT_EVERY = 0.5
+"""Seconds between interrupts of an abandoned run that goes on: the first can land before
+its cell began (the REPL ignores SIGINT between calls), or its code caught it."""
 
 
 T = TypeVar("T")
@@ -199,12 +202,19 @@ async def release_when_quiet(lock: asyncio.Lock, body: Body) -> None:
     """Release ``lock`` once ``body``'s agent has finished every call abandoned on it
     (stopping it hard if they take more than ORPHAN_GRACE)."""
     try:
-        orphans = [] if body.channel is None else body.channel.orphans()
+        channel = body.channel
+        orphans = [] if channel is None else channel.orphans()
         if orphans:
             waiting = asyncio.gather(*(ended.wait() for ended in orphans))
-            try:
-                await asyncio.wait_for(asyncio.shield(waiting), ORPHAN_GRACE)
-            except TimeoutError:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + ORPHAN_GRACE
+            while not waiting.done() and loop.time() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(waiting),
+                                           min(REINTERRUPT_EVERY, deadline - loop.time()))
+                if not waiting.done() and channel.orphaned_code():  # the lock is still held
+                    interrupt_repl(body.cgroup, "run_code")
+            if not waiting.done():
                 await hard_stop(body, "a call given up on (its client went away or its "
                                       "deadline passed) did not end within "
                                       f"{ORPHAN_GRACE:g} s")

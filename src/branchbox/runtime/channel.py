@@ -385,6 +385,10 @@ class AgentChannel:
             except Exception:
                 log.exception("interrupting an abandoned request failed")
 
+    def orphaned_code(self) -> bool:
+        """Whether a ``run_code`` abandoned is still going (the REPL runs it for nobody)."""
+        return any(req.op == "run_code" and not req.ended.is_set() for req in self._orphans)
+
     def orphans(self) -> list[asyncio.Event]:
         """The ``ended`` events of abandoned requests the agent is still working on: until
         they are set, the REPL is busy with a call nobody waits for."""

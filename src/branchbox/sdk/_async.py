@@ -161,8 +161,9 @@ class AsyncSandbox:
         + 5 s the SDK gives up by itself (``SandboxTimeout``).
         """
         body = _given(code=code, timeout=timeout)
-        out = await within(timeout, collect(self._api.lines(
-            "POST", self._url("/run_code"), json=body), on_stdout, on_stderr), "run_code")
+        self._url()  # this sandbox must be open
+        out = await within(timeout, collect(self._api.run("run_code", self.id, body), on_stdout,
+                                            on_stderr), "run_code")
         return execution(out, timeout)
 
     async def exec(self, cmd: str | builtins.list[str], *, cwd: str | None = None,
@@ -181,8 +182,9 @@ class AsyncSandbox:
             reply = await self._api.call("POST", self._url("/commands"),
                                          json={**body, "background": True})
             return AsyncCommandHandle(self, reply["pid"])
-        out = await within(timeout, collect(self._api.lines(
-            "POST", self._url("/commands"), json=body), on_stdout, on_stderr), "exec")
+        self._url()
+        out = await within(timeout, collect(self._api.run("commands", self.id, body), on_stdout,
+                                            on_stderr), "exec")
         return command_result(out, timeout)
 
     async def fork(self, n: int = 1) -> builtins.list[AsyncSandbox]:

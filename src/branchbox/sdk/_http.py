@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 import httpx
 
+from branchbox.sdk._channel import CallChannel, Unavailable
 from branchbox.sdk._config import resolve
 from branchbox.sdk._daemon import ensure_daemon
 from branchbox.sdk._errors import SandboxError, error_from_reply
@@ -30,6 +31,7 @@ class Api:
         # Only the default local daemon is started on demand, and only when we reach it
         # through our own socket transport (a caller's transport decides for itself).
         self._autostart = self.config.local_data_dir if transport is None else None
+        own_transport = transport is None
         if transport is None and (self.config.socket or
                                   self.config.base_url.startswith("http://")):
             # No TLS over a unix socket or plain http: verify=False spares loading the CA
@@ -37,6 +39,9 @@ class Api:
             transport = httpx.AsyncHTTPTransport(uds=self.config.socket or None, verify=False)
         headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key \
             else {}
+        # Runs go over a WebSocket of the server's, unless the caller brought a transport
+        # (in-process ASGI, say: it carries HTTP only).
+        self._channel = CallChannel(self.config) if own_transport else None
         self._client = httpx.AsyncClient(base_url=self.config.base_url, transport=transport,
                                          headers=headers, timeout=_TIMEOUT)
         self._users = 1
@@ -64,6 +69,8 @@ class Api:
     async def release(self) -> None:
         self._users -= 1
         if self._users == 0:
+            if self._channel is not None:
+                await self._channel.close()
             await self._client.aclose()
 
     @asynccontextmanager
@@ -90,6 +97,25 @@ class Api:
             async for line in reply.aiter_lines():
                 if line.strip():
                     yield json.loads(line)
+
+    async def run(self, op: str, sandbox_id: str, body: dict) -> AsyncGenerator[dict, None]:
+        """The lines of a run (``op``: ``run_code`` or ``commands``, with ``body`` as POST
+        /v1/sandboxes/{id}/{op} takes it): over the server's calls WebSocket, else HTTP."""
+        if self._channel is not None:
+            async with aclosing(self._channel.lines(op, sandbox_id, body)) as lines:
+                try:
+                    first = await anext(lines)
+                except Unavailable:  # nothing was sent
+                    pass
+                else:
+                    yield first
+                    async for line in lines:
+                        yield line
+                    return
+        async with aclosing(self.lines("POST", f"/v1/sandboxes/{sandbox_id}/{op}",
+                                       json=body)) as lines:
+            async for line in lines:
+                yield line
 
     def _unreachable(self, exc: httpx.TransportError) -> SandboxError:
         return SandboxError(f"lost or could not reach the branchbox server at {self.config.url} "

@@ -14,6 +14,7 @@ from fastapi.responses import PlainTextResponse
 
 from branchbox.engine.sandboxes import Engine
 from branchbox.server import (
+    call_channel,
     e2b_control,
     e2b_envd,
     e2b_interpreter,
@@ -83,6 +84,7 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] = (),
         app.include_router(module.router, dependencies=[Depends(require_api_key)])
     app.include_router(instants.router, dependencies=[Depends(require_api_key)])
     app.include_router(ports.ws_router)  # checks the same key itself
+    app.include_router(call_channel.router)  # likewise
     app.include_router(ui.router)  # the page checks the key itself (a refusal is HTML)
     # E2B's SDKs: its control plane with X-API-Key; its sandbox plane with the per-sandbox
     # token the control plane hands out (checked per request, see e2b_access).

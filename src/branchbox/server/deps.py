@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Request, Response
+from fastapi import Depends, Request, Response, WebSocket
 
 from branchbox.engine.sandboxes import Engine
 from branchbox.server.errors import AuthError
@@ -36,3 +36,9 @@ async def require_api_key(request: Request) -> None:
         return
     if not key_accepted(keys, authorization(request)):
         raise AuthError()
+
+
+def ws_key_ok(ws: WebSocket) -> bool:
+    """:func:`require_api_key` for a WebSocket (whose dependencies cannot take a Request)."""
+    keys: frozenset[str] = ws.app.state.api_keys
+    return not keys or key_accepted(keys, ws.headers.get("authorization", ""))

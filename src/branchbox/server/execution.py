@@ -9,15 +9,16 @@ after output had begun. ``/exec`` speaks Podflare's shape instead (see
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Response
 
+from branchbox.engine.sandboxes import Engine
 from branchbox.server.deps import NO_CONTENT, EngineDep, EventsDep
 from branchbox.server.models import KillCommand, PodflareExec, RunCode, RunCommand, WaitCommand
 from branchbox.server.replay import EventLog, PodflareEvents
-from branchbox.server.streams import NDJSON, encode_line, event_line, ndjson_response
+from branchbox.server.streams import NDJSON, Event, encode_line, event_line, ndjson_response
 
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}", tags=["execution"])
 
@@ -35,24 +36,36 @@ def _logged(log: EventLog, sandbox_id: str, language: str,
     return logged
 
 
+def code_run(engine: Engine, log: EventLog, sandbox_id: str,
+             body: RunCode) -> tuple[AsyncIterator[Event], Callable[[dict], list[dict]]]:
+    """A run of ``body`` in the sandbox's REPL: its events and what each is as lines (the
+    last a ``result``), logged for replay. Served over HTTP here and over the calls
+    WebSocket (``call_channel``)."""
+    return engine.stream(sandbox_id, "run_code", body.model_dump(exclude_none=True)), _logged(
+        log, sandbox_id, "python", lambda header: [event_line(header, "result")])
+
+
+def command_run(engine: Engine, log: EventLog, sandbox_id: str,
+                body: RunCommand) -> tuple[AsyncIterator[Event], Callable[[dict], list[dict]]]:
+    """A foreground command, as :func:`code_run` (the last line an ``exit``)."""
+    return engine.stream(sandbox_id, "exec", body.model_dump(exclude_none=True)), _logged(
+        log, sandbox_id, "bash", lambda header: [event_line(header, "exit")])
+
+
 @router.post("/run_code")
 async def run_code(sandbox_id: str, body: RunCode, engine: EngineDep,
                    log: EventsDep) -> Response:
     """Run Python in the sandbox's persistent REPL; NDJSON ending in a ``result`` line."""
-    events = engine.stream(sandbox_id, "run_code", body.model_dump(exclude_none=True))
-    return await ndjson_response(events, _logged(
-        log, sandbox_id, "python", lambda header: [event_line(header, "result")]))
+    return await ndjson_response(*code_run(engine, log, sandbox_id, body))
 
 
 @router.post("/commands", response_model=None)
 async def run_command(sandbox_id: str, body: RunCommand, engine: EngineDep,
                       log: EventsDep) -> Response | dict:
     """Run a command; NDJSON ending in an ``exit`` line, or ``{"pid"}`` in the background."""
-    args = body.model_dump(exclude_none=True)
     if body.background:
-        return await engine.call(sandbox_id, "exec", args)
-    return await ndjson_response(engine.stream(sandbox_id, "exec", args), _logged(
-        log, sandbox_id, "bash", lambda header: [event_line(header, "exit")]))
+        return await engine.call(sandbox_id, "exec", body.model_dump(exclude_none=True))
+    return await ndjson_response(*command_run(engine, log, sandbox_id, body))
 
 
 @router.post("/commands/{pid}/wait")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 
 import httpx
 import websockets
@@ -33,7 +32,7 @@ from starlette.background import BackgroundTask
 
 from branchbox.engine import errors
 from branchbox.engine.sandboxes import Engine
-from branchbox.server.deps import EngineDep
+from branchbox.server.deps import EngineDep, ws_key_ok
 from branchbox.server.ui.session import COOKIE
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["ports"])
@@ -132,21 +131,11 @@ def _returned(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     return [*kept, (b"content-security-policy", _PAGE_POLICY)]
 
 
-async def _key_ok(ws: WebSocket) -> bool:
-    """The REST key check, for a WebSocket (whose dependencies cannot take a Request)."""
-    keys: frozenset[str] = ws.app.state.api_keys
-    if not keys:
-        return True
-    scheme, _, token = ws.headers.get("authorization", "").partition(" ")
-    matches = [hmac.compare_digest(token.encode(), key.encode()) for key in keys]
-    return scheme.lower() == "bearer" and any(matches)
-
-
 @ws_router.websocket("/{sandbox_id}/ports/{port}")
 @ws_router.websocket("/{sandbox_id}/ports/{port}/{path:path}")
 async def proxy_websocket(ws: WebSocket, sandbox_id: str, port: int, path: str = "") -> None:
     """Relay a WebSocket to ``port`` in the sandbox, both directions at once."""
-    if not await _key_ok(ws):
+    if not ws_key_ok(ws):
         await ws.close(code=1008, reason="invalid api key")
         return
     engine: Engine = ws.app.state.engine
