@@ -101,17 +101,22 @@ def bridge(name: str, mac: str) -> Batch:
     return _encoded(msg, RTM_NEWLINK, ACK | NLM_F_CREATE)
 
 
-def trunk(hub_end: str, hub_index: int, leaf_end: str) -> Batch:
-    """A veth pair on the host: ``hub_end`` up on the hub bridge, ``leaf_end`` (down, no
-    bridge yet: a new link's peer takes no master)."""
-    peer = {"attrs": [("IFLA_IFNAME", leaf_end)]}
+def _pair(name: str, bridge_index: int, peer: dict) -> ifinfmsg:
+    """A veth pair's message: ``name`` up on the bridge, its ``peer`` as given."""
     msg = _link(flags=IFF_UP, change=IFF_UP)
     msg["attrs"] = [
-        ("IFLA_IFNAME", hub_end), ("IFLA_MASTER", hub_index),
+        ("IFLA_IFNAME", name), ("IFLA_MASTER", bridge_index),
         ("IFLA_LINKINFO", {"attrs": [
             ("IFLA_INFO_KIND", "veth"),
             ("IFLA_INFO_DATA", {"attrs": [("VETH_INFO_PEER", peer)]})]})]
-    return _encoded(msg, RTM_NEWLINK, ACK | NLM_F_CREATE, ok=(17,))  # a kept daemon's
+    return msg
+
+
+def trunk(hub_end: str, hub_index: int, leaf_end: str) -> Batch:
+    """A veth pair on the host: ``hub_end`` up on the hub bridge, ``leaf_end`` (down, no
+    bridge yet: a new link's peer takes no master)."""
+    return _encoded(_pair(hub_end, hub_index, {"attrs": [("IFLA_IFNAME", leaf_end)]}),
+                    RTM_NEWLINK, ACK | NLM_F_CREATE, ok=(17,))  # 17: a kept daemon's
 
 
 def enslave(index: int, bridge_index: int) -> Batch:
@@ -126,13 +131,7 @@ def veth(port: str, bridge_index: int, mac: str, peer_index: int = PEER_INDEX) -
     ``peer_index``, 0: the kernel picks) created in the namespace at :data:`NETNS_SLOT`."""
     peer = {"index": peer_index, "attrs": [("IFLA_IFNAME", "eth0"), ("IFLA_ADDRESS", mac),
                                            ("IFLA_NET_NS_FD", NETNS_SLOT)]}
-    msg = _link(flags=IFF_UP, change=IFF_UP)
-    msg["attrs"] = [
-        ("IFLA_IFNAME", port), ("IFLA_MASTER", bridge_index),
-        ("IFLA_LINKINFO", {"attrs": [
-            ("IFLA_INFO_KIND", "veth"),
-            ("IFLA_INFO_DATA", {"attrs": [("VETH_INFO_PEER", peer)]})]})]
-    return _encoded(msg, RTM_NEWLINK, NEW)
+    return _encoded(_pair(port, bridge_index, peer), RTM_NEWLINK, NEW)
 
 
 def address(index: int, addr: str, prefix: int, *, delete: bool = False,

@@ -7,8 +7,8 @@ work in the engine and the REPL; over an open WebSocket it is a message each way
 of many sandboxes go on over it at once.
 
 The connection is opened at the first run, on the loop of that run, and again after
-it closes, or in a process forked since (a child must not speak on its parent's
-connection). A server that has no ``/v1/calls`` (an older daemon, a proxy that
+it closes, on another loop, or in a process forked since (a child must not speak on
+its parent's connection). A server that has no ``/v1/calls`` (an older daemon, a proxy that
 passes no WebSocket) is remembered: runs go over HTTP from then on.
 """
 
@@ -43,7 +43,8 @@ class CallChannel:
         self._ws: ClientConnection | None = None
         self._pid = 0
         self._reader: asyncio.Task | None = None
-        self._opening = asyncio.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the connection's
+        self._opening: asyncio.Lock | None = None
         self._runs: dict[int, asyncio.Queue] = {}
         self._ids = 0
         self.unavailable = False
@@ -56,13 +57,13 @@ class CallChannel:
         self._ids += 1
         run, lines = self._ids, asyncio.Queue(LINES_AHEAD)
         self._runs[run] = lines
-        message = json.dumps({"id": run, "op": op, "sandbox": sandbox_id, "body": body})
+        message = json.dumps({"id": run, "op": op, "sandbox": sandbox_id, "body": body}).encode()
         if len(message) > MAX_MESSAGE:
             del self._runs[run]
             raise Unavailable("larger than a message")
         finished = False
         try:
-            await ws.send(message)
+            await ws.send(message, text=True)
             while True:
                 line = await lines.get()
                 if isinstance(line, BaseException):
@@ -80,16 +81,22 @@ class CallChannel:
     async def _open(self) -> ClientConnection:
         if self.unavailable:
             raise Unavailable("remembered")
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop or self._pid != os.getpid():
+            # Another loop's connection (an earlier asyncio.run) or a forked process's
+            # inherited one cannot be used here: left alone, not closed.
+            self._ws, self._loop, self._opening = None, loop, asyncio.Lock()
         async with self._opening:
             ws = self._ws
-            if ws is not None and self._pid == os.getpid() and ws.state.name == "OPEN":
+            if ws is not None and ws.state.name == "OPEN":
                 return ws
-            self._ws = None  # a forked process's inherited one is left alone, not closed
             headers = ({"Authorization": f"Bearer {self._config.api_key}"}
                        if self._config.api_key else {})
+            # Pings find a TCP connection that died quietly (an idle one through NAT, say);
+            # a unix socket cannot die so.
             options: dict[str, Any] = {"additional_headers": headers, "max_size": MAX_MESSAGE,
-                                       "open_timeout": 10, "ping_interval": None,
-                                       "compression": None}
+                                       "open_timeout": 10, "compression": None,
+                                       "ping_interval": None if self._config.socket else 20}
             try:
                 if self._config.socket:
                     ws = await unix_connect(self._config.socket, "ws://branchbox/v1/calls",
@@ -132,7 +139,8 @@ class CallChannel:
 
     async def close(self) -> None:
         ws, self._ws = self._ws, None
-        if ws is not None and self._pid == os.getpid():
+        current = asyncio.get_running_loop()
+        if ws is not None and self._pid == os.getpid() and self._loop is current:
             await ws.close()
             if self._reader is not None:
                 await asyncio.gather(self._reader, return_exceptions=True)
