@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from branchbox import Sandbox, SandboxError
+from branchbox import Conflict, Sandbox, SandboxError
 
 # ctypes helpers defined in the REPL; each returns the errno of a failed call, 0 on success
 _SYSCALLS = r"""
@@ -301,8 +301,9 @@ def test_a_parent_cannot_hand_its_branches_a_shared_file_as_a_device(make) -> No
     file, one file they all write. A node that is not the device is refused instead."""
     sb = make()
     assert sb.exec("echo mine > /root/f && mount --bind /root/f /dev/null").exit_code == 0
-    with pytest.raises(SandboxError, match="/dev/null is not the device"):
+    with pytest.raises(Conflict, match="/dev/null is not the device") as refused:
         sb.fork(2)
+    assert refused.value.status == 409  # the sandbox's doing, not the daemon's failure
     assert sb.files.read("/root/f") == b"mine\n"
     assert sb.exec("umount -l /dev/null").exit_code == 0
     (kid,) = sb.fork(1)

@@ -110,6 +110,12 @@ def _mount_dev(root: str) -> None:
     os.symlink("/proc/self/fd", dev + "/fd")
 
 
+class SandboxChanged(OSError):
+    """What a child's entry takes from its parent's sandbox is not what it must be: the
+    parent's own code changed it (its /dev, say). The fork is refused as a conflict with
+    the sandbox's state, not reported as the daemon's failure."""
+
+
 def _bind_device(path: str, minor: int, target: str) -> None:
     """Bind the device node at ``path`` (in the current root) onto ``target``, if it is
     that character device; checked and bound through one fd, so nothing can swap it in
@@ -121,7 +127,7 @@ def _bind_device(path: str, minor: int, target: str) -> None:
     try:
         st = os.fstat(fd)
         if not stat.S_ISCHR(st.st_mode) or st.st_rdev != os.makedev(1, minor):
-            raise OSError(errno.ENODEV, f"{path} is not the device it should be")
+            raise SandboxChanged(errno.ENODEV, f"{path} is not the device it should be")
         tree = sysc.open_tree("", sysc.OPEN_TREE_CLONE | _AT_EMPTY_PATH | os.O_CLOEXEC, fd)
     finally:
         os.close(fd)

@@ -429,7 +429,8 @@ def become_child(agent, slot: _Slot, batch: _Batch) -> None:
                     "rid": 0,
                     "ev": "fail",
                     "error": {
-                        "type": "Internal",
+                        "type": "Conflict" if isinstance(exc, entry.SandboxChanged)
+                        else "Internal",
                         "message": f"fork child set-up: {type(exc).__name__}: {exc}",
                     },
                 },

@@ -244,8 +244,9 @@ class Branching:
             await slots.abandon()
             for _, body in made:
                 await self._destroy_body(body)
-            if isinstance(exc, AgentError):
-                raise errors.EngineError(f"fork failed: {exc.message}") from None
+            if isinstance(exc, AgentError):  # a Conflict: the parent changed what a child needs
+                failed = errors.Conflict if exc.kind == "Conflict" else errors.EngineError
+                raise failed(f"fork failed: {exc.message}") from None
             if isinstance(exc, ChannelClosed):
                 raise errors.EngineError(
                     "fork failed: a child died while entering its sandbox"
