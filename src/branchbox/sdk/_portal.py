@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import functools
 import os
 import threading
@@ -71,9 +72,14 @@ class Portal:
             self.run(items.aclose())  # type: ignore[attr-defined]
 
     def stop(self) -> None:
+        """Cancel what still runs on the loop (a connection's reader, say), as
+        ``asyncio.run`` does at its end, then stop it: a task left pending would be
+        destroyed with the loop, with a warning and a traceback at the program's exit."""
         with self._lock:
             loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
         if loop is not None and thread is not None:
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(_cancel_all(), loop).result(STOP_WAIT)
             loop.call_soon_threadsafe(loop.stop)
             thread.join()
             loop.close()
@@ -82,6 +88,16 @@ class Portal:
         """In a forked child: the loop's thread is gone, start over when next needed."""
         self._lock = threading.Lock()
         self._loop = self._thread = None
+
+
+STOP_WAIT = 5.0  # seconds the loop's tasks have to end once cancelled, at exit
+
+
+async def _cancel_all() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 portal = Portal()
