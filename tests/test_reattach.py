@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 from pathlib import Path
 
@@ -234,3 +235,36 @@ def test_branches_deeper_than_landlock_keep_their_signal_guard(env: dict[str, st
         assert b.run_code("6 * 7").text == "42"
     finally:
         daemon.stop()
+
+
+def test_sandboxes_on_leaf_bridges_outlive_a_killed_daemon(env: dict[str, str],
+                                                          held: list[Sandbox]) -> None:
+    """With 4 ports per bridge a family spreads over leaf bridges; after kill -9 the next
+    daemon keeps the leaves and their trunks: every member is reached as before, and its
+    next children go on bridges with room."""
+    env = {**env, "BRANCHBOX_BRIDGE_PORTS": "4"}
+    first = ServedDaemon("reattach", env)
+    daemons = [first]
+    try:
+        sb = Sandbox(url=first.url, api_key=KEY, timeout=3600)
+        sb.run_code("import socket; srv = socket.create_server(('0.0.0.0', 8000))")
+        members = [sb, *sb.fork(n=6)]
+        addresses = {m.id: m.ip for m in members}
+        leaf = f"bbr{EngineConfig(data_dir=first.data_dir).cgroup_group[2:6]}x1"
+        assert os.path.exists(f"/sys/class/net/{leaf}/brif"), "no leaf bridge was made"
+        for member in members:
+            member.detach()
+        kill9(first)
+        second = ServedDaemon("reattach", env, data_dir=first.data_dir)
+        daemons.append(second)
+        for sid, address in addresses.items():
+            assert connect(sid, second, held).info()["address"] == address
+            with socket.create_connection((address, 8000), timeout=10):
+                pass
+        for child in connect(sb.id, second, held).fork(n=4):
+            held.append(child)
+            with socket.create_connection((child.ip, 8000), timeout=10):
+                pass
+    finally:
+        daemons[-1].stop()
+    assert not [name for name in os.listdir("/sys/class/net") if name.startswith("bt")]
