@@ -67,6 +67,22 @@ def test_runs_and_their_errors_over_one_connection(daemon: ServedDaemon) -> None
                 child.close()
 
 
+def test_runs_started_at_once_share_one_connection(daemon: ServedDaemon) -> None:
+    """The first runs of a client, started together, open one connection between them."""
+    async def scenario() -> None:
+        async with AsyncSandbox(url=daemon.url, api_key=KEY) as sb:
+            children = await sb.fork(n=3)
+            runs = [member.run_code("7 * 6") for member in (sb, *children)]
+            assert [r.text for r in await asyncio.gather(*runs)] == ["42"] * 4
+            channel = sb._api._channel  # noqa: SLF001
+            opened = [task for task in asyncio.all_tasks()
+                      if getattr(task.get_coro(), "__qualname__", "") == "CallChannel._read"]
+            assert len(opened) == 1 and channel._ws is not None  # noqa: SLF001
+            for child in children:
+                await child.close()
+    asyncio.run(scenario())
+
+
 def test_runs_of_different_sandboxes_go_on_at_once(daemon: ServedDaemon) -> None:
     """A run that waits for the host holds no other run up: another sandbox's run, on the
     same connection, is answered meanwhile. (The first waits for a connection from the
@@ -138,7 +154,7 @@ def test_bad_messages_close_the_connection_or_get_an_error_line(daemon: ServedDa
             return json.loads(await ws.recv())["line"]
 
         async def scenario() -> None:
-            for bad in ("not json", "[1]", json.dumps({"id": 1}),
+            for bad in (b"binary", "not json", "[1]", json.dumps({"id": 1}),
                         json.dumps({"id": 1, "op": "files", "sandbox": sb.id, "body": {}}),
                         json.dumps({"id": True, "op": "run_code", "sandbox": sb.id,
                                     "body": {}}),

@@ -426,6 +426,11 @@ def test_past_a_bridges_ports_sandboxes_go_on_leaf_bridges(
             b = next(k for k in kids if on[k.id] not in (net.bridge, on[a.id]))
             same = [k for k in kids if k is not a and on[k.id] == on[a.id]]
             assert probe(a, OUTSIDE, HTTP_PORT)[0].startswith("ok HTTP/1.0 200")
+            # A frame built by hand reaches the outside through the gateway (the hub) and
+            # not through the leaf's own device, a way past every rule of the hub.
+            assert _reaches_outside(a, net.bridge_mac(), outside)
+            leaf = int(on[a.id].rsplit("x", 1)[1])
+            assert not _reaches_outside(a, net.bridge_mac(leaf), outside)
             assert _connects(a, a.ip, 8000)  # what is refused below is refused by the network
             for target in [sb, b, *same]:
                 assert not _connects(a, target.ip, 8000), (on[a.id], on[target.id])
@@ -438,6 +443,43 @@ def test_past_a_bridges_ports_sandboxes_go_on_leaf_bridges(
     left = [name for name in os.listdir("/sys/class/net")
             if name in names or name.startswith(net.trunk_prefix)]
     assert not left, left
+
+
+RAW_UDP = textwrap.dedent("""
+    import socket, struct, sys
+    mac, own, src, dst, port = sys.argv[1:5] + [int(sys.argv[5])]
+    def checksum(b):
+        total = sum(struct.unpack("!10H", b))
+        total = (total >> 16) + (total & 0xFFFF)
+        return ~(total + (total >> 16)) & 0xFFFF
+    payload = b"through " + mac.encode()
+    udp = struct.pack("!HHHH", 40000, port, 8 + len(payload), 0) + payload
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 0, 0, 64, 17, 0,
+                     socket.inet_aton(src), socket.inet_aton(dst))
+    ip = ip[:10] + struct.pack("!H", checksum(ip)) + ip[12:]
+    raw = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+    raw.bind(("eth0", 0))
+    frame = bytes.fromhex((mac + own).replace(":", "")) + b"\\x08\\x00" + ip + udp
+    for _ in range(3):
+        raw.send(frame)
+""")
+
+
+def _reaches_outside(sb: Sandbox, mac: str, outside: Outside) -> bool:
+    """Whether a UDP datagram to the outside host, sent from inside ``sb`` as a raw frame
+    to the link-layer address ``mac``, arrives there."""
+    code = (f"from pyroute2 import netns; netns.setns({outside.ns!r}); import socket; "
+            f"s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+            f"s.bind(({OUTSIDE!r}, 9999)); s.settimeout(3); print('ready', flush=True)\n"
+            "try:\n    print(s.recv(100).decode())\nexcept TimeoutError:\n    print('none')")
+    with subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                          text=True) as listener:
+        assert listener.stdout.readline().strip() == "ready"
+        own = "02:bb:" + ":".join(f"{b:02x}" for b in ipaddress.IPv4Address(sb.ip).packed)
+        sent = sb.exec(["python3", "-c", RAW_UDP, mac, own, sb.ip, OUTSIDE, "9999"],
+                       timeout=60)
+        assert sent.exit_code == 0, sent.stderr
+        return listener.stdout.read().strip() == f"through {mac}"
 
 
 def _connects(sb: Sandbox, host: str, port: int) -> bool:

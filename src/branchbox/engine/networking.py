@@ -99,6 +99,7 @@ class SandboxNetwork:
         self._used: set[int] = set()
         self._refill: asyncio.Handle | None = None
         self._growing: asyncio.Task | None = None  # the next bridge being made
+        self._stopping = False  # no more bridges, refills or namespaces made ahead
         self._dying: dict[str, tuple[Port, float]] = {}  # released, link not yet gone
         self._unplugging: set[asyncio.Task] = set()
         self.made: dict[tuple[int, int], list[Made]] = {}  # family launcher -> ready
@@ -155,7 +156,9 @@ class SandboxNetwork:
 
     async def _stop_growing(self) -> None:
         """A bridge being made is made (the helper serves one request at a time, and its
-        reply frees nothing): wait for it instead of leaving a half-joined leaf."""
+        reply frees nothing): wait for it instead of leaving a half-joined leaf; none is
+        begun after (a sweep would miss it)."""
+        self._stopping = True
         if self._growing is not None:
             await asyncio.gather(self._growing, return_exceptions=True)
 
@@ -215,6 +218,8 @@ class SandboxNetwork:
         """How many more ports the bridges have room for. The next bridge is made in the
         background once the newest is mostly taken; refills and namespaces made ahead wait
         for it (a port whose bridge is full would go on the last one, past its share)."""
+        if self._stopping:
+            return 0
         taken = self._on_bridges()
         if self._growing is None and self.net.wants_bridge(taken):
             self._growing = asyncio.get_running_loop().create_task(
@@ -228,7 +233,7 @@ class SandboxNetwork:
             return
         if task.exception() is not None:
             log.warning("network: making the next bridge failed: %s", task.exception())
-        else:
+        elif not self._stopping:
             self.refill_soon()
 
     def take(self, body_key: str) -> Port:
@@ -288,6 +293,7 @@ class SandboxNetwork:
         except NetworkError as exc:
             raise errors.EngineError(f"network set-up failed: {exc}") from None
         port.plugged = True
+        port.wire = reply.pop("wire", port.wire)  # on another bridge than prepared for
         reply["steps"] = {"take": t1 - t0, "lookup": t2 - t1, **reply["steps"],
                           "ipc": reply["arrival"] + reply["received"] - reply["replied"]}
         return reply
@@ -389,8 +395,10 @@ class SandboxNetwork:
         while ident in self._made_want and \
                 len(self.made.setdefault(ident, [])) < self._made_want[ident]:
             while not (room := self._room()):
-                growing = self._growing
-                await asyncio.wait({growing})  # started by _room: none has room
+                growing = self._growing  # started by _room: no bridge has room
+                if growing is None:  # the network stops
+                    return
+                await asyncio.wait({growing})
                 if growing.cancelled() or growing.exception() is not None:
                     return  # (logged) the family's children are plugged after their hello
             try:

@@ -20,7 +20,8 @@
     nothing (rejected: refused or unreachable at once). Every packet is looked
     up, so a policy change also cuts connections already open;
   * masquerade of the subnet on the way out;
-  * no connection tracking of frames bridged across a leaf (see ``install``).
+  * no connection tracking of frames bridged across a leaf (see ``install``), and
+    nothing into the host through a leaf's own device: the host's IPv4 is on the hub.
 
 A policy chain is shared by every sandbox with the same policy (fork children
 inherit theirs), so a fork only adds map elements.
@@ -97,10 +98,14 @@ class Firewall:
             # A packet conntrack calls invalid (out of its window, as a fast stream's
             # late segments can be) is dropped, never answered: a reset would kill a
             # healthy connection.
-            ("inet", "sb_in"): [f'iifname "{br}" ct state established,related accept',
+            # A leaf's own device takes nothing (see network._layer2_only); what is bridged
+            # across a leaf (br_netfilter) goes out on the same leaf.
+            ("inet", "sb_in"): [f'iifname "{br}x*" drop',
+                                f'iifname "{br}" ct state established,related accept',
                                 f'iifname "{br}" ct state invalid drop',
                                 *(f'iifname "{br}" {r}' for r in _REJECT_TEXT)],
-            ("inet", "sb_fwd"): [f'oifname "{br}" ct state established,related accept',
+            ("inet", "sb_fwd"): [f'iifname "{br}x*" oifname != "{br}x*" drop',
+                                 f'oifname "{br}" ct state established,related accept',
                                  f'oifname "{br}" drop',
                                  f'iifname "{br}" ct state invalid drop',
                                  f'iifname "{br}" ip saddr vmap @egress',

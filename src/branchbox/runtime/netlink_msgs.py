@@ -116,7 +116,7 @@ def trunk(hub_end: str, hub_index: int, leaf_end: str) -> Batch:
     """A veth pair on the host: ``hub_end`` up on the hub bridge, ``leaf_end`` (down, no
     bridge yet: a new link's peer takes no master)."""
     return _encoded(_pair(hub_end, hub_index, {"attrs": [("IFLA_IFNAME", leaf_end)]}),
-                    RTM_NEWLINK, ACK | NLM_F_CREATE, ok=(17,))  # 17: a kept daemon's
+                    RTM_NEWLINK, NEW, ok=(17,))  # EEXIST: made by an earlier try
 
 
 def enslave(index: int, bridge_index: int) -> Batch:

@@ -270,6 +270,7 @@ class Network:
         numbered = ((n.removeprefix(self._leaf("")), n) for n in names
                     if n.startswith(self._leaf("")))
         for _, name in sorted((int(k), n) for k, n in numbered if k.isdigit()) if keep else ():
+            _layer2_only(name)
             self.bridges.append((name, socket.if_nametoindex(name)))
         _without_ipv6(self.bridge)
         with contextlib.suppress(OSError):
@@ -334,8 +335,9 @@ class Network:
             reply = await self.helper.call("leaf", name=self._leaf(k), mac=self.bridge_mac(k),
                                            hub=self.bridge_index, hub_end=hub_end,
                                            leaf_end=leaf_end)
-            for name in (self._leaf(k), hub_end, leaf_end):
+            for name in (hub_end, leaf_end):
                 _without_ipv6(name)
+            _layer2_only(self._leaf(k))
             self.bridges.append((self._leaf(k), reply["index"]))
 
     def bridge_of(self, port: str) -> int:
@@ -357,7 +359,7 @@ class Network:
         """``port`` on its bridge, its peer ``eth0`` with ``address`` in ``netns_fd``
         (consumed); ``wire`` is the port's :meth:`plug_messages`. If its bridge has no
         port left (EXFULL: more went there than its share), the port goes on the first
-        bridge with room, or on the next, made then."""
+        bridge with room, or on the next, made then (the reply's ``wire`` says so)."""
         try:
             try:
                 return await self.helper.call("plug", [netns_fd],
@@ -370,8 +372,9 @@ class Network:
                 await self.grow(seen)
                 bridge = self.bridges[-1][1]
             wire = self.plug_messages(port, mac, address, bridge)
-            return await self.helper.call("plug", [netns_fd],
-                                          **self._plug_request(port, mac, address, wire))
+            reply = await self.helper.call("plug", [netns_fd],
+                                           **self._plug_request(port, mac, address, wire))
+            return {**reply, "wire": wire}  # where it went, for the caller's books
         finally:
             os.close(netns_fd)
 
@@ -440,3 +443,17 @@ def _without_ipv6(link: str) -> None:
     would talk on their segment."""
     with contextlib.suppress(OSError):
         Path(f"/proc/sys/net/ipv6/conf/{link}/disable_ipv6").write_text("1")
+
+
+# A leaf bridge carries frames and nothing else: the host's IPv4 is on the hub. Without
+# these the leaf's own device is an IPv4 interface no rule of ours names: it answers
+# ARP for the gateway (any local address, by default) with its own MAC, so a sandbox's
+# traffic would enter the host through it, past the egress policy and the rules that
+# keep host services out (the firewall also drops what arrives on a leaf).
+_LEAF_IPV4 = {"arp_ignore": "8", "rp_filter": "1", "forwarding": "0"}
+
+
+def _layer2_only(leaf: str) -> None:
+    _without_ipv6(leaf)
+    for name, value in _LEAF_IPV4.items():
+        Path(f"/proc/sys/net/ipv4/conf/{leaf}/{name}").write_text(value)

@@ -28,7 +28,6 @@ from branchbox.sdk._config import ClientConfig
 from branchbox.sdk._errors import SandboxError, error_from_reply
 
 MAX_MESSAGE = 16 << 20  # the server's limit of one WebSocket message (uvicorn's default)
-LINES_AHEAD = 256  # lines of one run read ahead of its reader (then the connection waits)
 _FINAL = ("result", "exit", "error")
 _SERVICE_RESTART = 1012  # the close code of a server that stops (uvicorn's)
 
@@ -46,6 +45,7 @@ class CallChannel:
         self._loop: asyncio.AbstractEventLoop | None = None  # the connection's
         self._opening: asyncio.Lock | None = None
         self._runs: dict[int, asyncio.Queue] = {}
+        self._cancels: set[asyncio.Future] = set()  # sends of cancels under way
         self._ids = 0
         self.unavailable = False
 
@@ -55,7 +55,9 @@ class CallChannel:
         a run given up on (the generator closed early) is cancelled on the server."""
         ws = await self._open()
         self._ids += 1
-        run, lines = self._ids, asyncio.Queue(LINES_AHEAD)
+        # Unbounded: the reader never waits for one run's reader (that would hold up every
+        # run on the connection, and for ever once that run is given up on).
+        run, lines = self._ids, asyncio.Queue()
         self._runs[run] = lines
         message = json.dumps({"id": run, "op": op, "sandbox": sandbox_id, "body": body}).encode()
         if len(message) > MAX_MESSAGE:
@@ -63,7 +65,10 @@ class CallChannel:
             raise Unavailable("larger than a message")
         finished = False
         try:
-            await ws.send(message, text=True)
+            try:
+                await ws.send(message, text=True)
+            except ConnectionClosed as exc:  # closed meanwhile: nothing was sent
+                raise Unavailable("closed") from exc
             while True:
                 line = await lines.get()
                 if isinstance(line, BaseException):
@@ -76,7 +81,9 @@ class CallChannel:
             self._runs.pop(run, None)
             if not finished and ws.state.name == "OPEN":
                 # Not awaited: this may run while the caller is being cancelled.
-                asyncio.ensure_future(_quietly(ws.send(json.dumps({"cancel": run}))))
+                cancel = asyncio.ensure_future(_quietly(ws.send(json.dumps({"cancel": run}))))
+                self._cancels.add(cancel)
+                cancel.add_done_callback(self._cancels.discard)
 
     async def _open(self) -> ClientConnection:
         if self.unavailable:
@@ -86,6 +93,7 @@ class CallChannel:
             # Another loop's connection (an earlier asyncio.run) or a forked process's
             # inherited one cannot be used here: left alone, not closed.
             self._ws, self._loop, self._opening = None, loop, asyncio.Lock()
+            self._pid = os.getpid()
         async with self._opening:
             ws = self._ws
             if ws is not None and ws.state.name == "OPEN":
@@ -94,7 +102,10 @@ class CallChannel:
                        if self._config.api_key else {})
             # Pings find a TCP connection that died quietly (an idle one through NAT, say);
             # a unix socket cannot die so.
-            options: dict[str, Any] = {"additional_headers": headers, "max_size": MAX_MESSAGE,
+            # No size limit on what the server sends: a line is as large as the run's
+            # (bounded) output makes it, as over HTTP; a limit would close the connection
+            # and end every run on it.
+            options: dict[str, Any] = {"additional_headers": headers, "max_size": None,
                                        "open_timeout": 10, "compression": None,
                                        "ping_interval": None if self._config.socket else 20}
             try:
@@ -111,7 +122,7 @@ class CallChannel:
                 raise Unavailable("not served") from exc
             except (InvalidHandshake, OSError, TimeoutError) as exc:
                 raise Unavailable(str(exc)) from exc
-            self._ws, self._pid = ws, os.getpid()
+            self._ws = ws
             self._reader = asyncio.ensure_future(self._read(ws))
             return ws
 
@@ -123,7 +134,7 @@ class CallChannel:
                 reply = json.loads(message)
                 lines = self._runs.get(reply.get("id"))
                 if lines is not None:
-                    await lines.put(reply["line"])
+                    lines.put_nowait(reply["line"])
             ending = SandboxError("the branchbox server closed the connection")
         except ConnectionClosed as exc:
             ending = (error_from_reply(503, {"error": "the server is stopping; the call was "
@@ -135,7 +146,7 @@ class CallChannel:
             ending = SandboxError(f"unreadable reply from the branchbox server: {exc!r}")
             await ws.close()
         for lines in list(self._runs.values()):
-            await lines.put(ending)  # a run still registered is still read
+            lines.put_nowait(ending)
 
     async def close(self) -> None:
         ws, self._ws = self._ws, None

@@ -78,9 +78,13 @@ async def calls(ws: WebSocket) -> None:
 
     try:
         while True:
-            message = await ws.receive_text()
+            received = await ws.receive()
+            if received["type"] == "websocket.disconnect":
+                return
             try:
-                request = _request(message)
+                if received.get("text") is None:
+                    raise BadMessage("messages are JSON text")
+                request = _request(received["text"])
             except BadMessage as exc:
                 await ws.close(code=1007, reason=str(exc)[:120])
                 return
@@ -98,7 +102,7 @@ async def calls(ws: WebSocket) -> None:
                                             "connection", "ResourceLimit", 429))
             else:
                 runs[run] = _start(ws, request, send, lambda run=run: runs.pop(run, None))
-    except WebSocketDisconnect:
+    except (WebSocketDisconnect, Gone):
         pass
     finally:
         for _, gone in runs.values():
