@@ -56,12 +56,15 @@ def test_runs_and_their_errors_over_one_connection(daemon: ServedDaemon) -> None
         assert (done.stdout, done.exit_code) == ("hi\n", 3)
         with pytest.raises(InvalidRequest, match="timeout"):
             sb.run_code("1", timeout=-1)
-        children = sb.fork(n=2)
+        with pytest.raises(InvalidRequest, match="n must be"):
+            sb.fork(n=0)
+        children = sb.fork(n=2)  # over the connection too
         try:
+            assert len({sb.ip, *(c.ip for c in children)}) == 3
             assert [c.run_code("2 + 2").text for c in children] == ["4", "4"]
             channel = sb._core._api._channel  # noqa: SLF001 - which connection carried them
             assert all(c._core._api._channel is channel for c in children)  # noqa: SLF001
-            assert channel._ws is not None and channel._ids >= 6  # noqa: SLF001
+            assert channel._ws is not None and channel._ids >= 8  # noqa: SLF001
         finally:
             for child in children:
                 child.close()

@@ -189,7 +189,8 @@ class AsyncSandbox:
 
     async def fork(self, n: int = 1) -> builtins.list[AsyncSandbox]:
         """``n`` copies of this sandbox as it is now: memory, files, env, cwd."""
-        return self._children(await self._api.call("POST", self._url("/fork"), json={"n": n}))
+        self._url()
+        return self._children(await self._api.answer("fork", self.id, {"n": n}))
 
     def _children(self, reply: dict) -> builtins.list[AsyncSandbox]:
         """The new children a fork answered with (``children``, ``addresses``)."""

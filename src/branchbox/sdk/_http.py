@@ -99,8 +99,9 @@ class Api:
                     yield json.loads(line)
 
     async def run(self, op: str, sandbox_id: str, body: dict) -> AsyncGenerator[dict, None]:
-        """The lines of a run (``op``: ``run_code`` or ``commands``, with ``body`` as POST
-        /v1/sandboxes/{id}/{op} takes it): over the server's calls WebSocket, else HTTP."""
+        """The lines of a run (``op``: ``run_code``, ``commands`` or ``fork``, with ``body``
+        as POST /v1/sandboxes/{id}/{op} takes it): over the server's calls WebSocket, else
+        HTTP (where a fork's JSON answer is its one line)."""
         if self._channel is not None:
             async with aclosing(self._channel.lines(op, sandbox_id, body)) as lines:
                 try:
@@ -116,6 +117,16 @@ class Api:
                                        json=body)) as lines:
             async for line in lines:
                 yield line
+
+    async def answer(self, op: str, sandbox_id: str, body: dict) -> dict:
+        """The one-line answer of ``op`` (a fork's), as :meth:`run` carries it."""
+        async with aclosing(self.run(op, sandbox_id, body)) as lines:
+            async for line in lines:
+                if line.get("type") == "error":
+                    raise error_from_reply(line.get("status", 500),
+                                           {"error": line.get("error"), "type": line.get("kind")})
+                return {key: value for key, value in line.items() if key != "type"}
+        raise error_from_reply(502, f"the server sent no answer to {op}")
 
     def _unreachable(self, exc: httpx.TransportError) -> SandboxError:
         return SandboxError(f"lost or could not reach the branchbox server at {self.config.url} "

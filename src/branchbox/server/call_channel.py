@@ -1,21 +1,22 @@
-"""Runs over one WebSocket: the SDK's way to run code and commands, many at once.
+"""Runs over one WebSocket: the SDK's way to run code and commands, and to fork.
 
 An HTTP request costs this server ~0.9 ms of its event loop (routing, four middlewares,
 dependencies, a response) and httpx's client ~1.4 ms; a message on an open WebSocket
-costs each side tens of microseconds. So the SDK sends every ``run_code`` and
-foreground command of its sandboxes down one connection to ``/v1/calls`` (and falls
-back to HTTP where it cannot open one). A run here is the very run of ``POST
-.../run_code`` or ``POST .../commands``: the same validation, engine stream, lines
-and replay log.
+costs each side tens of microseconds. So the SDK sends every ``run_code``, foreground
+command and fork of its sandboxes down one connection to ``/v1/calls`` (and falls
+back to HTTP where it cannot open one), many at once. A run here is the very run of
+``POST .../run_code``, ``.../commands`` or ``.../fork``: the same validation, engine
+call, lines and replay log.
 
 Client to server, one JSON object per text message::
 
-    {"id": N, "op": "run_code" | "commands", "sandbox": ID, "body": {...}}
+    {"id": N, "op": "run_code" | "commands" | "fork", "sandbox": ID, "body": {...}}
     {"cancel": N}        the client gave up on run N
 
 Server to client: ``{"id": N, "line": {...}}`` for each line of run N, in order; its
 last line is its ``result`` (``exit``) or an ``error`` line (``{"type": "error",
-"error", "kind", "status"}``, as an NDJSON stream ends after a failure). Runs on one
+"error", "kind", "status"}``, as an NDJSON stream ends after a failure); a fork's
+one line is its ``result``, the children and their addresses. Runs on one
 connection go on at once (each sandbox still runs its calls one at a time).
 
 A cancelled run, and every run of a connection that closes, is abandoned as an HTTP
@@ -32,22 +33,51 @@ import contextvars
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
+from starlette.datastructures import State
 
 from branchbox.engine.run_guard import CALLER_GONE
 from branchbox.server.deps import ws_key_ok
 from branchbox.server.errors import describe, validation_message
 from branchbox.server.execution import code_run, command_run
-from branchbox.server.models import RunCode, RunCommand
+from branchbox.server.models import Fork, RunCode, RunCommand
+from branchbox.server.sandboxes import forked
 from branchbox.server.streams import Event, error_line
 
 log = logging.getLogger("branchbox.server")
 router = APIRouter(tags=["execution"])
 MAX_RUNS = 64
-_RUNS = {"run_code": (RunCode, code_run), "commands": (RunCommand, command_run)}
+
+
+
+def _lines(events: AsyncIterator[Event],
+           to_lines: Callable[[dict], list[dict]]) -> AsyncIterator[dict]:
+    async def lines() -> AsyncIterator[dict]:
+        try:
+            async for header, _ in events:
+                for line in to_lines(header):
+                    yield line
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+    return lines()
+
+
+async def _fork(state: State, sandbox_id: str, body: Fork) -> AsyncIterator[dict]:
+    yield {"type": "result", **await forked(state.engine, sandbox_id, body.n)}
+
+
+# op -> (its body's model, its lines): what POST /v1/sandboxes/{id}/{op} answers.
+_RUNS: dict[str, tuple[type, Callable[[State, str, Any], AsyncIterator[dict]]]] = {
+    "run_code": (RunCode, lambda state, sid, body: _lines(
+        *code_run(state.engine, state.events, sid, body))),
+    "commands": (RunCommand, lambda state, sid, body: _lines(
+        *command_run(state.engine, state.events, sid, body))),
+    "fork": (Fork, _fork),
+}
 
 
 class BadMessage(ValueError):
@@ -126,7 +156,7 @@ def _request(message: str) -> dict:
     if set(request) != {"id", "op", "sandbox", "body"} or not _is_id(request["id"]) \
             or request["op"] not in _RUNS or not isinstance(request["sandbox"], str) \
             or not isinstance(request["body"], dict):
-        raise BadMessage('a run is {"id": <int>, "op": "run_code"|"commands", '
+        raise BadMessage('a run is {"id": <int>, "op": "run_code"|"commands"|"fork", '
                          '"sandbox": <id>, "body": {...}}')
     return request
 
@@ -162,20 +192,17 @@ async def _run(ws: WebSocket, request: dict,
             await send(run, *error_line("a background command is started with POST "
                                         "/v1/sandboxes/{id}/commands", "InvalidRequest", 400))
             return
-        state = ws.app.state
-        events, to_lines = lines_of(state.engine, state.events, request["sandbox"], body)
-        await _stream(run, events, to_lines, send)
+        await _stream(run, lines_of(ws.app.state, request["sandbox"], body), send)
     except Gone:
         pass
 
 
-async def _stream(run: int, events: AsyncIterator[Event], to_lines: Callable[[dict], list[dict]],
+async def _stream(run: int, lines: AsyncIterator[dict],
                   send: Callable[[int, dict], Awaitable[None]]) -> None:
     """Every line of the run, then its end; a failure is the last line."""
     try:
-        async for header, _ in events:
-            for line in to_lines(header):
-                await send(run, line)
+        async for line in lines:
+            await send(run, line)
     except Gone:
         raise
     except Exception as exc:  # noqa: BLE001 - reported in-band, as a stream does
@@ -184,4 +211,4 @@ async def _stream(run: int, events: AsyncIterator[Event], to_lines: Callable[[di
             log.error("run failed", exc_info=exc)
         await send(run, *error_line(message, kind, status))
     finally:
-        await events.aclose()  # type: ignore[attr-defined]
+        await lines.aclose()  # type: ignore[attr-defined]

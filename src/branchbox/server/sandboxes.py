@@ -6,6 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body
 
+from branchbox.engine.sandboxes import Engine
 from branchbox.server.deps import NO_CONTENT, EngineDep, EventsDep
 from branchbox.server.models import CreateSandbox, Diff, Fork, UpdateNetwork
 
@@ -48,13 +49,18 @@ async def close_sandbox(sandbox_id: str, engine: EngineDep, events: EventsDep) -
     events.forget(sandbox_id)
 
 
+async def forked(engine: Engine, sandbox_id: str, n: int) -> dict:
+    """A fork's answer, over HTTP here and over the calls WebSocket (``call_channel``)."""
+    children = await engine.fork(sandbox_id, n)
+    return {"children": [child.id for child in children],
+            "addresses": {child.id: engine.net.address(child.body.key) for child in children}}
+
+
 @router.post("/{sandbox_id}/fork")
 async def fork_sandbox(sandbox_id: str, engine: EngineDep,
                        body: Annotated[Fork, Body(default_factory=Fork)]) -> dict:
     """``n`` children from this instant of the sandbox (memory, files, env, cwd)."""
-    children = await engine.fork(sandbox_id, body.n)
-    return {"children": [child.id for child in children],
-            "addresses": {child.id: engine.net.address(child.body.key) for child in children}}
+    return await forked(engine, sandbox_id, body.n)
 
 
 @router.patch("/{sandbox_id}/network")
