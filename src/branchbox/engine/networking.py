@@ -189,14 +189,14 @@ class SandboxNetwork:
         on the first bridge with room (the last one when none has: a fork's path does not
         wait for a bridge). ``within_room``: no more than the bridges have room for."""
         self._reap()
-        taken = self._on_bridges()
+        loads = self.net.loads(self._on_bridges())
         fresh = []
         for _ in range(n):
-            bridge = self.net.bridge_with_room(taken)
+            bridge = self.net.bridge_with_room(loads)
             if within_room and bridge is None:
                 break
             bridge = self.net.bridges[-1][1] if bridge is None else bridge
-            taken[bridge] += 1
+            loads[bridge] += 1
             fresh.append(self._lease(bridge))
         try:
             self.net.firewall.add_ports([(p.name, p.mac, p.address) for p in fresh])
@@ -220,12 +220,12 @@ class SandboxNetwork:
         for it (a port whose bridge is full would go on the last one, past its share)."""
         if self._stopping:
             return 0
-        taken = self._on_bridges()
-        if self._growing is None and self.net.wants_bridge(taken):
+        loads = self.net.loads(self._on_bridges())
+        if self._growing is None and self.net.wants_bridge(loads):
             self._growing = asyncio.get_running_loop().create_task(
                 self.net.grow(len(self.net.bridges)))
             self._growing.add_done_callback(self._grown)
-        return self.net.room(taken)
+        return self.net.room(loads)
 
     def _grown(self, task: asyncio.Task) -> None:
         self._growing = None

@@ -305,24 +305,25 @@ class Network:
             await self.helper.call("unplug", names=mine)
         return names
 
-    def bridge_with_room(self, taken: Mapping[int, int]) -> int | None:
-        """The index of the first bridge with fewer ports than it takes, counting the
-        kernel's and ``taken`` (bridge index -> ports leased for it), whichever is more;
+    def loads(self, taken: Mapping[int, int]) -> dict[int, int]:
+        """Ports per bridge (index -> count, hub first): the kernel's count or ``taken``
+        (ports leased for it), whichever is more. Read once per decision: each count is a
+        listing of up to a thousand sysfs entries."""
+        return {index: max(_ports_on(name), taken.get(index, 0)) for name, index in self.bridges}
+
+    def bridge_with_room(self, loads: Mapping[int, int]) -> int | None:
+        """The index of the first bridge with fewer ports than it takes (by :meth:`loads`);
         None if every bridge is full."""
-        for name, index in self.bridges:
-            if max(_ports_on(name), taken.get(index, 0)) < self.ports_per_bridge:
-                return index
-        return None
+        return next((index for index, load in loads.items() if load < self.ports_per_bridge),
+                    None)
 
-    def room(self, taken: Mapping[int, int]) -> int:
-        """How many more ports the bridges take, counted as :meth:`bridge_with_room` does."""
-        return sum(max(0, self.ports_per_bridge - max(_ports_on(name), taken.get(index, 0)))
-                   for name, index in self.bridges)
+    def room(self, loads: Mapping[int, int]) -> int:
+        """How many more ports the bridges take."""
+        return sum(max(0, self.ports_per_bridge - load) for load in loads.values())
 
-    def wants_bridge(self, taken: Mapping[int, int]) -> bool:
+    def wants_bridge(self, loads: Mapping[int, int]) -> bool:
         """Whether the newest bridge is full enough that the next should be made now."""
-        name, index = self.bridges[-1]
-        return max(_ports_on(name), taken.get(index, 0)) >= GROW_AT * self.ports_per_bridge
+        return loads[self.bridges[-1][1]] >= GROW_AT * self.ports_per_bridge
 
     async def grow(self, seen: int) -> None:
         """Make the next leaf bridge, unless one was made since the caller saw ``seen``
@@ -367,7 +368,7 @@ class Network:
             except NetworkError as exc:
                 if exc.errno != errno.EXFULL:
                     raise
-            seen, bridge = len(self.bridges), self.bridge_with_room({})
+            seen, bridge = len(self.bridges), self.bridge_with_room(self.loads({}))
             if bridge is None:
                 await self.grow(seen)
                 bridge = self.bridges[-1][1]

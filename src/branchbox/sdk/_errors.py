@@ -142,3 +142,10 @@ def error_from_reply(status: int, body: Any) -> SandboxError:
         message, kind = ("" if body is None else str(body).strip()) or f"HTTP {status}", None
     cls = _TABLE[kind][0] if kind in _TABLE else _BY_STATUS.get(status, SandboxError)
     return cls(message, status=status, kind=kind)
+
+
+def error_from_line(line: dict) -> SandboxError:
+    """The exception for a stream's ``error`` line (``{"type": "error", "error",
+    "kind", "status"}``: how a run reports a failure once its answer has begun)."""
+    return error_from_reply(line.get("status", 500), {"error": line.get("error"),
+                                                      "type": line.get("kind")})

@@ -18,7 +18,7 @@ import httpx
 from branchbox.sdk._channel import CallChannel, Unavailable
 from branchbox.sdk._config import resolve
 from branchbox.sdk._daemon import ensure_daemon
-from branchbox.sdk._errors import SandboxError, error_from_reply
+from branchbox.sdk._errors import SandboxError, error_from_line, error_from_reply
 
 # No read timeout: a run may print nothing for an hour; the server enforces run timeouts.
 _TIMEOUT = httpx.Timeout(None, connect=10.0)
@@ -123,8 +123,7 @@ class Api:
         async with aclosing(self.run(op, sandbox_id, body)) as lines:
             async for line in lines:
                 if line.get("type") == "error":
-                    raise error_from_reply(line.get("status", 500),
-                                           {"error": line.get("error"), "type": line.get("kind")})
+                    raise error_from_line(line)
                 return {key: value for key, value in line.items() if key != "type"}
         raise error_from_reply(502, f"the server sent no answer to {op}")
 

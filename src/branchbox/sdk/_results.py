@@ -13,7 +13,12 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from branchbox.sdk._errors import CommandNotFound, SandboxTimeout, error_from_reply
+from branchbox.sdk._errors import (
+    CommandNotFound,
+    SandboxTimeout,
+    error_from_line,
+    error_from_reply,
+)
 
 OutputCallback = Callable[[str], Any]
 """Called with each piece of output as it arrives; may be a plain function or a coroutine."""
@@ -79,8 +84,7 @@ async def collect(lines: AsyncGenerator[dict, None], on_stdout: OutputCallback |
                 if callback is not None and inspect.isawaitable(reply := callback(data)):
                     await reply
             elif kind == "error":
-                raise error_from_reply(line.get("status", 500),
-                                       {"error": line.get("error"), "type": line.get("kind")})
+                raise error_from_line(line)
             elif kind in ("result", "exit"):
                 # The last line; reading on to the end of the body (instead of returning
                 # here) lets the connection go back to the pool rather than be closed.
