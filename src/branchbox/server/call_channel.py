@@ -53,17 +53,14 @@ router = APIRouter(tags=["execution"])
 MAX_RUNS = 64
 
 
-
-def _lines(events: AsyncIterator[Event],
-           to_lines: Callable[[dict], list[dict]]) -> AsyncIterator[dict]:
-    async def lines() -> AsyncIterator[dict]:
-        try:
-            async for header, _ in events:
-                for line in to_lines(header):
-                    yield line
-        finally:
-            await events.aclose()  # type: ignore[attr-defined]
-    return lines()
+async def _lines(events: AsyncIterator[Event],
+                 to_lines: Callable[[dict], list[dict]]) -> AsyncIterator[dict]:
+    try:
+        async for header, _ in events:
+            for line in to_lines(header):
+                yield line
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
 
 
 async def _fork(state: State, sandbox_id: str, body: Fork) -> AsyncIterator[dict]:
