@@ -1,6 +1,7 @@
-"""How a family starts: the zygote forks its launcher (runtime.family_init), which holds
-nothing of the daemon's but its log and the socket it makes network namespaces through
-(no other fd, no environment variable but its heap choice)."""
+"""How a family starts: the zygote (runtime.family_init) or its image's template
+(test_templates) forks its launcher (agent.launching), which holds nothing of the
+daemon's but its log and the socket it makes network namespaces through (no other
+fd, no environment variable but its heap choice)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,13 @@ def _ppid(pid: int) -> int:
     return int(stat[stat.rindex(")") + 2:].split()[1])
 
 
+# An interpreter reads it at its start, so a create that sets it starts its own: the
+# zygote forks its launcher, not the image's template.
+OWN_INTERPRETER = {"PYTHONDONTWRITEBYTECODE": "1"}
+
+
 def test_a_launcher_is_forked_by_the_zygote_and_holds_only_its_log(harness, make) -> None:
-    sb = make()
+    sb = make(env=OWN_INTERPRETER)
     launcher = harness.engine.get(sb.id).family.family.pid
     zygote = harness.engine.zygote
     assert Path(f"/proc/{launcher}/comm").read_text().strip() == "bb-launcher"
@@ -40,14 +46,14 @@ def test_a_launcher_is_forked_by_the_zygote_and_holds_only_its_log(harness, make
 
 def test_the_zygote_ends_with_the_engine_and_its_families_run_on(harness, make) -> None:
     """Closing the zygote (as a daemon that stops or dies does) ends only the zygote."""
-    sb = make()
+    sb = make(env=OWN_INTERPRETER)
     portal.run(harness.engine.settle())
     zygote = harness.engine.zygote
     first = zygote.pid
     zygote.close()
     assert ended(first)
     assert sb.run_code("'still here'").text == "'still here'"
-    assert make().run_code("'and a new one'").text == "'and a new one'"
+    assert make(env=OWN_INTERPRETER).run_code("'and a new one'").text == "'and a new one'"
 
 
 _NS_GET_USERNS = 0xB701

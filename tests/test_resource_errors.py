@@ -98,15 +98,23 @@ def test_calls_in_flight_during_a_graceful_stop_get_a_503() -> None:
     try:
         sb = sandbox(served)
         replies: list[httpx.Response] = []
+        # The run starts a process first: the sandbox's process count, which the daemon
+        # reads from its cgroup without asking the REPL, says when the run is under way.
+        code = "import subprocess, time; p = subprocess.Popen(['sleep', '300']); time.sleep(120)"
 
         def long_call() -> None:
             with served.client(KEY) as client:
                 replies.append(client.post(f"/v1/sandboxes/{sb.id}/run_code",
-                                           json={"code": "import time; time.sleep(120)"}))
+                                           json={"code": code}))
 
-        caller = threading.Thread(target=long_call)
-        caller.start()
-        assert sb.exec("sleep 1; echo waited").stdout == "waited\n"  # the run is under way
+        with served.client(KEY) as client:
+            def pids() -> int:
+                return client.get(f"/v1/sandboxes/{sb.id}").json()["resources"]["pids"]
+
+            before = pids()
+            caller = threading.Thread(target=long_call)
+            caller.start()
+            assert eventually(lambda: pids() > before)
         served.proc.send_signal(signal.SIGTERM)
         caller.join(60)
         assert served.proc.wait(60) == 0, served.log.read_text()

@@ -88,12 +88,13 @@ class Daemon(ServedDaemon):
 
     def processes(self, sid: str) -> list[int]:
         """Host pids of the sandbox's family: its processes, their family init and launcher
-        (the chain of parents up to the daemon's zygote, which forks every launcher)."""
+        (the chain of parents up to the daemon's zygote or the image's template, which fork
+        every launcher)."""
         info = self.http.get(f"/v1/sandboxes/{sid}").json()
         found = set(info["resources"]["host_pids"])
         for pid in list(found):
             while (parent := _ppid(pid)) not in (None, self.proc.pid, 1, 0) and \
-                    _comm(parent) != "bb-zygote":
+                    _comm(parent) not in ("bb-zygote", "bb-template"):
                 found.add(parent)
                 pid = parent
         assert found, info

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 from . import sysc
 from .server import RequestError
@@ -23,6 +24,7 @@ def handle_sethostname(agent, req: dict, payload: bytes, fds: list[int]) -> None
 def handle_configure(agent, req: dict, payload: bytes, fds: list[int]) -> None:
     """A warm sandbox handed out to a create request takes that request's env and cwd."""
     os.environ.update(req.get("env") or {})
+    time.tzset()  # TZ is read at time's import: a warm REPL's was the defaults'
     cwd = req.get("cwd") or "/root"
     try:
         os.makedirs(cwd, exist_ok=True)

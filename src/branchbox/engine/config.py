@@ -52,6 +52,11 @@ class EngineConfig:
     spawn_timeout: float = 60.0
     # Sandboxes kept started per image, so that create hands one out in milliseconds.
     warm_pool: int = field(default_factory=lambda: int(os.environ.get("BRANCHBOX_WARM_POOL", "2")))
+    # Creates of a built-in image fork its template's interpreter (engine.templates);
+    # BRANCHBOX_TEMPLATES=off starts an interpreter per family (to compare, or to rule
+    # templates out).
+    templates: bool = field(
+        default_factory=lambda: os.environ.get("BRANCHBOX_TEMPLATES", "on") != "off")
     # Lifecycle events kept for GET /v1/events to resume from (engine.events, also 8 MiB).
     events_kept: int = field(
         default_factory=lambda: int(os.environ.get("BRANCHBOX_EVENTS_KEPT", "4096")))

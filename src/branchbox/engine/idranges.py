@@ -188,6 +188,10 @@ class IdRanges:
             return ids
         raise NoIdRange(f"all {SLOTS - 1} host id ranges for families are taken")
 
+    def family_slots(self) -> set[int]:
+        """Every slot a family may be given: what a template's user namespace maps."""
+        return set(range(1, SLOTS)) - self.skipped
+
     def userns(self, maps: _SlotMaps, kind: str) -> int:
         """The slot's id-mapping user namespace of ``kind`` ("image" or "host")."""
         if kind == "image":

@@ -48,12 +48,19 @@ from branchbox.engine.run_guard import (
     until_gone,
 )
 from branchbox.engine.stopped import Stopped, StoppedSandboxes, describe
+from branchbox.engine.templates import Templates
 from branchbox.engine.warm import WarmPool
 from branchbox.engine.workspaces import Workspaces
 from branchbox.runtime import procfs, rootfs, smaps
 from branchbox.runtime.cgroups import Limits, SandboxCgroup, favor_dynamic_moves
 from branchbox.runtime.channel import AgentChannel, AgentError, interrupt_repl
-from branchbox.runtime.family import Family, Zygote, spawn_family
+from branchbox.runtime.family import (
+    Family,
+    SpawnError,
+    Zygote,
+    spawn_family,
+    start_variables,
+)
 from branchbox.runtime.fd_keeper import FdKeeper, KeeperError
 from branchbox.runtime.signal_guard import SignalGuard
 from branchbox.runtime.thaw_guard import ThawGuard
@@ -82,7 +89,7 @@ _LOCK_FREE_OPS = {"ping", "wait", "kill", "ps", "follow", "input", "close_stdin"
                   "resize", "watch", "watch_events", "unwatch"}
 
 
-class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
+class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
              StoppedSandboxes, Reattach):
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
@@ -106,6 +113,9 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         self._warm: dict[str, list[Live]] = {}
         self._warm_waiters: dict[str, deque[asyncio.Future]] = {}  # creates in line (warm.py)
         self._refilling: dict[str, asyncio.Task] = {}
+        self._templates: dict = {}  # image -> its template (engine.templates)
+        self._template_lock = asyncio.Lock()
+        self._template_failed: dict[str, float] = {}  # image -> no new try before then
         self._stopping = False
         self.net: SandboxNetwork | None = None
         self.host_image: HostImage | None = None
@@ -197,6 +207,7 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
             SandboxCgroup.remove_group(self.config.cgroup_group)
             if self.net is not None:
                 await self.net.stop()
+        await self._close_templates()
         await asyncio.to_thread(self.zygote.close)  # no family starts any more
         if self.keeper is not None:
             self._unwatch_keeper(self.keeper)
@@ -330,7 +341,10 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
         meta = {"cwd": cwd, "memory_mb": memory_mb, "timeout": timeout, "disk_mb": disk_mb,
                 "idle_timeout": idle_timeout,  # fork children inherit it
                 "workspace": str(host) if host else None, "network": policy}
-        sb = await self._take_warm(image)
+        # A warm sandbox's interpreter started with the defaults: it serves a create whose
+        # env leaves what an interpreter reads at its start alone (PYTHONPATH, say).
+        warm = start_variables({**DEFAULT_ENV, **(env or {})}) == start_variables(DEFAULT_ENV)
+        sb = await self._take_warm(image) if warm else None
         if sb is not None:  # a warm sandbox: give it this request's settings
             self.net.new_family(sb.family.family)  # as forks look now
             if memory_mb is not None:
@@ -406,22 +420,32 @@ class Engine(WarmPool, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
             cgroup = SandboxCgroup.create(self.config.cgroup_group, key,
                                           self._limits(meta["memory_mb"]))
             full_env = {**DEFAULT_ENV, "HOSTNAME": sid, **(env or {})}
-            family, channel = await spawn_family(
-                zygote=self.zygote,
-                tree_fd=stack.tree(),
-                repl_cgroup_fds=cgroup.join_fds("repl"),
-                cmds_cgroup_fds=cgroup.join_fds("cmds"),
-                mounts=stack.mounts(),
-                hostname=sid,
-                uid_base=ids.base,
-                env=full_env,
-                cwd=meta["cwd"],
-                python=self.image_python(image),
-                attach=ATTACH_DIR,
-                log_path=self.config.data_dir / "logs" / f"{sid}.log",
-                timeout=self.config.spawn_timeout,
-                started=started,
-            )
+
+            for retry in (False, True):
+                forker = await self._forker_for(image, full_env)
+                try:
+                    family, channel = await spawn_family(
+                        forker=forker,
+                        tree_fd=stack.tree(),
+                        repl_cgroup_fds=cgroup.join_fds("repl"),
+                        cmds_cgroup_fds=cgroup.join_fds("cmds"),
+                        mounts=stack.mounts(),
+                        hostname=sid,
+                        uid_base=ids.base,
+                        env=full_env,
+                        cwd=meta["cwd"],
+                        python=self.image_python(image),
+                        attach=ATTACH_DIR,
+                        log_path=self.config.data_dir / "logs" / f"{sid}.log",
+                        timeout=self.config.spawn_timeout,
+                        started=started,
+                    )
+                    break
+                except SpawnError:
+                    # A template that died since its last create started nothing: once,
+                    # the next forker (a new template, or the zygote) starts the family.
+                    if retry or launched or forker is self.zygote or not forker.broken:
+                        raise
         except BaseException:
             if cgroup is not None:
                 cgroup.remove()

@@ -1,10 +1,13 @@
-"""Daemon side of starting a family (see ``family_init`` for the process side).
+"""Daemon side of starting a family (see ``agent.launching`` for the process side).
 
 Launchers are forked by the zygote, a fresh interpreter (``-I -S``: no site, no
-environment) the daemon starts once and again if it dies; a launcher inherits
-nothing from the daemon but the fds it is sent. The daemon writes the user
-namespace's id maps itself: it is root in the parent namespace, which is what the
-kernel asks of the writer. Each family gets a host id range of its own (the caller
+environment) the daemon starts once and again if it dies, or by an image's
+template (:class:`Template`), which the zygote starts. A launcher inherits
+nothing from the daemon but the fds it is sent. The kernel asks the writer of a
+user namespace's id maps to be root in the parent namespace: for a zygote's
+family that is the daemon itself; for a template's, the template's map writer
+(the family's namespace is a child of the template's), and the daemon checks
+what it wrote. Each family gets a host id range of its own (the caller
 allocates it, see engine.idranges): ``uid_base``.. for ids 0.. inside.
 """
 
@@ -24,10 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from branchbox.agent import huge_heap
+from branchbox.agent import entry, huge_heap
 from branchbox.runtime.channel import AgentChannel
 from branchbox.runtime.procfs import start_time
-from branchbox.storage.idmap import UID_COUNT
+from branchbox.storage.idmap import UID_COUNT, in_template
 
 _SRC = str(Path(__file__).resolve().parents[2])
 _BOOT = (
@@ -138,17 +141,14 @@ def _close_made(job: asyncio.Future) -> None:
             os.close(fd)
 
 
-class Zygote:
-    """The daemon's end of the zygote (``family_init.serve``): started on first use, and
-    again if it died; one request at a time. Closing it ends the zygote, not the
-    families it started."""
+class _Forker:
+    """What forks launchers on the daemon's request, one request at a time: the zygote or
+    a template (``agent.launching.serve``)."""
 
-    def __init__(self, log_path: Path) -> None:
-        self._log_path = log_path
-        self._proc: subprocess.Popen | None = None
-        self._conn: socket.socket | None = None
+    in_process = False  # its launchers' REPL serves in the forked interpreter (no exec)
+
+    def __init__(self) -> None:
         self._lock = asyncio.Lock()  # requests wait their turn here, not in threads
-        self._guard = threading.Lock()  # one request, or close, at a time
 
     async def launch(self, spec: dict, fds: list[int]) -> tuple[int, int]:
         """Fork a launcher running ``spec``, handing it ``fds`` (which the caller still
@@ -165,6 +165,42 @@ class Zygote:
                     os.close(pidfd)
                 raise
 
+    def _request(self, spec: dict, fds: list[int]) -> tuple[int, int]:
+        raise NotImplementedError
+
+    async def write_id_maps(self, pid: int, uid_base: int) -> None:
+        """Map the ids 0..65535 of launcher ``pid``'s new user namespace onto host range
+        ``uid_base``.."""
+        _write_id_maps(pid, f"0 {uid_base} {UID_COUNT}\n")
+
+
+def _ask(conn: socket.socket, message: bytes, fds: list[int]) -> tuple[int, int]:
+    """One launch request over ``conn``: the launcher's pid and pidfd."""
+    socket.send_fds(conn, [message], fds)
+    msg, got, _, _ = socket.recv_fds(conn, 4096, 1)
+    if not msg:
+        for fd in got:
+            os.close(fd)
+        raise EOFError("hung up")
+    reply = json.loads(msg)
+    if "error" in reply or len(got) != 1:
+        for fd in got:
+            os.close(fd)
+        raise SpawnError(reply.get("error") or "no pidfd came with the launcher's pid")
+    return int(reply["pid"]), got[0]
+
+
+class Zygote(_Forker):
+    """The daemon's end of the zygote (``family_init.serve``): started on first use, and
+    again if it died. Closing it ends the zygote, not the families it started."""
+
+    def __init__(self, log_path: Path) -> None:
+        super().__init__()
+        self._log_path = log_path
+        self._proc: subprocess.Popen | None = None
+        self._conn: socket.socket | None = None
+        self._guard = threading.Lock()  # one request, or close, at a time
+
     @property
     def pid(self) -> int | None:
         """The running zygote's pid, if one runs."""
@@ -178,23 +214,15 @@ class Zygote:
                 self._start()
             try:
                 try:
-                    socket.send_fds(self._conn, [message], fds)
+                    return _ask(self._conn, message, fds)
                 except ConnectionError:  # it died since: it never got the request; a new one does
                     self._close()
                     self._start()
-                    socket.send_fds(self._conn, [message], fds)
-                msg, got, _, _ = socket.recv_fds(self._conn, 4096, 1)
-            except OSError as exc:  # a zygote that does not answer is replaced next time
+                    return _ask(self._conn, message, fds)
+            except (OSError, EOFError) as exc:  # one that does not answer is replaced next time
                 self._close()
                 raise SpawnError(f"the zygote did not answer: {exc} (see {self._log_path})"
                                  ) from None
-            if not msg:
-                self._close()
-                raise SpawnError(f"the zygote ended (see {self._log_path})")
-        reply = json.loads(msg)
-        if "error" in reply:
-            raise SpawnError(reply["error"])
-        return reply["pid"], got[0]
 
     def _start(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -232,6 +260,94 @@ class Zygote:
             self._proc = None
 
 
+START_VARIABLES = ("PYTHON", "LC_", "LANG", "LD_", "MALLOC_", "MIMALLOC_", "GLIBC_",
+                   huge_heap.MARKER)
+"""Prefixes of the environment variables an interpreter (or its loader and allocator)
+reads at its start, before any of the agent's code runs: a template's REPL, forked,
+never reads them again, so a template serves only environments that agree with its own
+on these (:meth:`Template.serves`); any other create starts its interpreter anew."""
+
+
+def start_variables(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(START_VARIABLES)}
+
+
+class Template(_Forker):
+    """An image's template (``agent.launching.template``): the image's python3, started
+    once with the agent loaded, forking the launchers of that image's families; their
+    REPL serves in the forked interpreter, so a create starts no interpreter. Its user
+    namespace's map writer writes each family's id maps (:meth:`write_id_maps`).
+
+    Held by pidfd: ``pid`` is the map writer (what the zygote forked); the template's
+    REPL is its child, killed by it when the daemon hangs up or the writer ends."""
+
+    in_process = True
+
+    def __init__(self, pid: int, pidfd: int, conn: socket.socket, maps: socket.socket,
+                 env: dict[str, str]) -> None:
+        super().__init__()
+        self.pid, self.pidfd = pid, pidfd
+        self._conn, self._maps = conn, maps
+        self.start_env = start_variables(env)
+        self._guard = threading.Lock()
+        self.broken = False  # it failed a request: no more are sent to it
+
+    def serves(self, env: dict[str, str]) -> bool:
+        """Whether a REPL forked from here is what one started with ``env`` would be."""
+        return not self.broken and start_variables(env) == self.start_env
+
+    def _request(self, spec: dict, fds: list[int]) -> tuple[int, int]:
+        message = json.dumps({"spec": spec, "fds": fds}).encode()
+        with self._guard:
+            try:
+                return _ask(self._conn, message, fds)
+            except (OSError, EOFError) as exc:
+                self.broken = True
+                raise SpawnError(f"the image's template did not answer: {exc}") from None
+
+    async def write_id_maps(self, pid: int, uid_base: int) -> None:
+        """Have the map writer give launcher ``pid``'s user namespace (a child of the
+        template's) host range ``uid_base``.., then check that it did, from the host."""
+        inside = in_template(uid_base)
+        request = json.dumps({"pid": pid, "map": f"0 {inside} {UID_COUNT}\n"}).encode()
+        answer = await asyncio.to_thread(self._map, request)
+        if answer != b"ok":
+            self.broken = True
+            raise SpawnError(f"the image's template could not map the family's ids: "
+                             f"{answer.decode(errors='replace')}")
+        want = [0, uid_base, UID_COUNT]
+        for name in ("uid_map", "gid_map"):
+            got = [list(map(int, line.split()))
+                   for line in Path(f"/proc/{pid}/{name}").read_text().splitlines()]
+            if got != [want]:
+                raise SpawnError(f"the template wrote {name} {got}, not {want}")
+
+    def _map(self, request: bytes) -> bytes:
+        with self._guard:
+            try:
+                self._maps.send(request)
+                return self._maps.recv(4096) or b"hung up"
+            except OSError as exc:
+                return str(exc).encode()
+
+    async def close(self) -> None:
+        """Hang up: the map writer kills the template's REPL and exits (killed if it does
+        not). Its families run on."""
+        self.broken = True
+        with self._guard:
+            self._conn.close()
+            self._maps.close()
+        if self.pidfd < 0:
+            return
+        try:
+            await asyncio.wait_for(_readable(self.pidfd), KILL_WAIT)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+        os.close(self.pidfd)
+        self.pidfd = -1
+
+
 def _launcher_env() -> dict[str, str]:
     """The daemon's environment a launcher needs: its choice of the REPL's heap, nothing
     else (not the API key: a launcher holds the sandbox's first moments)."""
@@ -255,9 +371,9 @@ async def _read_some(fd: int, timeout: float) -> bytes:
     return os.read(fd, 4096)
 
 
-def _write_id_maps(pid: int, uid_base: int) -> None:
-    """Map the family's ids 0..65535 onto its own host range ``uid_base``.."""
-    mapping = f"0 {uid_base} {UID_COUNT}\n"
+def _write_id_maps(pid: int, mapping: str) -> None:
+    """Write ``mapping`` (lines "inside outside count") as ``pid``'s user namespace's uid
+    and gid maps; the daemon may, being root in its parent namespace."""
     Path(f"/proc/{pid}/uid_map").write_text(mapping)
     Path(f"/proc/{pid}/gid_map").write_text(mapping)
 
@@ -272,9 +388,111 @@ async def _abandon(family: Family, channel: AgentChannel | None, ping, ours) -> 
     ours.close()
 
 
-async def spawn_family(
+class _Start:
+    """The pipes of a launcher's first moments, shared by families and templates: it
+    reports ``u`` once its user namespace exists, waits for ``g`` (maps written), and
+    then reports an entry failure as text, success as EOF (every writer closed or
+    exec'd)."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.status_r, self.status_w = os.pipe()
+        self.go_r, self.go_w = os.pipe()
+        self.log_path = log_path
+        self.log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
+                           0o600)
+
+    def spec(self) -> dict:
+        """The launcher's ends, for its spec (and its fds: these same numbers)."""
+        return {"status_w": self.status_w, "go_r": self.go_r, "log_fd": self.log}
+
+    def fds(self) -> list[int]:
+        return [self.status_w, self.go_r, self.log]
+
+    def handed(self) -> None:
+        """The launcher has its copies: close the daemon's of the launcher's ends."""
+        for fd in (self.status_w, self.go_r, self.log):
+            os.close(fd)
+
+    async def mapped(self, timeout: float, write_maps) -> None:
+        """Wait for the user namespace, have its maps written (``await write_maps()``),
+        and let the launcher go on."""
+        if await _read_some(self.status_r, timeout) != b"u":
+            raise SpawnError(
+                f"the launcher died before making its user namespace (see {self.log_path})")
+        await write_maps()
+        os.write(self.go_w, b"g")
+
+    async def entered(self, timeout: float) -> None:
+        failure = await _read_some(self.status_r, timeout)
+        if failure:
+            raise SpawnError(failure.decode(errors="replace"))
+
+    def close(self) -> None:
+        os.close(self.status_r)
+        os.close(self.go_w)
+
+
+async def start_template(
     *,
     zygote: Zygote,
+    tree_fd: int,
+    id_map: str,
+    hostname: str,
+    env: dict[str, str],
+    attach: Path,
+    log_path: Path,
+    python: str,
+    timeout: float = 30.0,
+) -> Template:
+    """Start an image's template whose REPL enters ``tree_fd`` (consumed): a read-only
+    root of the image. ``id_map`` is its user namespace's (``storage.idmap.template_map``);
+    ``env`` what its interpreter starts with, and so what the creates it serves set."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    maps, maps_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    start = _Start(log_path)
+    child_fds = [tree_fd, theirs.fileno(), maps_theirs.fileno(), *start.fds()]
+    spec = {"template": True, "tree_fd": tree_fd, "ctrl_fd": theirs.fileno(),
+            "maps_fd": maps_theirs.fileno(), **start.spec(), "attach": str(attach),
+            "hostname": hostname, "env": env, "python": python}
+    try:
+        pid, pidfd = await zygote.launch(spec, child_fds)
+    except BaseException:
+        start.close()
+        ours.close()
+        maps.close()
+        raise
+    finally:
+        os.close(tree_fd)
+        theirs.close()
+        maps_theirs.close()
+        start.handed()
+    template = Template(pid, pidfd, ours, maps, env)
+    try:
+        await start.mapped(timeout, lambda: asyncio.to_thread(_write_id_maps, pid, id_map))
+        await start.entered(timeout)
+        await asyncio.wait_for(_readable(ours.fileno()), timeout)
+        if ours.recv(64) != b'{"ready": true}':
+            raise SpawnError(f"the image's template did not start (see {log_path})")
+        ours.settimeout(30)
+        # A request is one datagram: room for a spec with the largest env a create takes.
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+        maps.settimeout(10)
+        return template
+    except BaseException as exc:
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        await template.close()
+        if isinstance(exc, TimeoutError):
+            raise SpawnError(f"the image's template did not start within {timeout:.0f} s "
+                             f"(see {log_path})") from None
+        raise
+    finally:
+        start.close()
+
+
+async def spawn_family(
+    *,
+    forker: _Forker,
     tree_fd: int,
     repl_cgroup_fds: list[int],
     cmds_cgroup_fds: list[int],
@@ -291,6 +509,8 @@ async def spawn_family(
 ) -> tuple[Family, AgentChannel]:
     """Start a family whose first sandbox enters ``tree_fd``; returns it once the REPL answers.
 
+    ``forker`` is the zygote or a template of the sandbox's image (whose REPL is then a
+    fork of the template's: ``attach`` is ignored, the agent layer has the place).
     Consumes ``tree_fd``, the cgroup fds and the fds of ``mounts`` (more trees to
     attach in the root: (fd, path in the sandbox)). Sandbox root is host id ``uid_base``.
     ``started`` is called with the family as soon as its launcher runs: the launcher
@@ -299,60 +519,54 @@ async def spawn_family(
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     maker, launcher_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     maker.settimeout(MAKE_TIMEOUT)
-    status_r, status_w = os.pipe()
-    go_r, go_w = os.pipe()
-    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    child_fds = [tree_fd, theirs.fileno(), status_w, go_r, log, launcher_end.fileno(),
-                 *repl_cgroup_fds, *cmds_cgroup_fds, *(fd for fd, _ in mounts)]
+    start = _Start(log_path)
+    child_fds = [tree_fd, theirs.fileno(), launcher_end.fileno(), *repl_cgroup_fds,
+                 *cmds_cgroup_fds, *(fd for fd, _ in mounts)]
     spec = {
         "tree_fd": tree_fd,
         "ctrl_fd": theirs.fileno(),
-        "status_w": status_w,
-        "go_r": go_r,
-        "log_fd": log,
+        **start.spec(),
         "netns_fd": launcher_end.fileno(),
         "repl_cgroup_fds": repl_cgroup_fds,
         "cmds_cgroup_fds": cmds_cgroup_fds,
         "mounts": list(mounts),
-        "attach": str(attach),
+        "attach": entry.ATTACH if forker.in_process else str(attach),
+        "in_process": forker.in_process,
         "hostname": hostname,
         "env": env,
         "cwd": cwd,
         "python": python,
     }
     try:
-        pid, pidfd = await zygote.launch(spec, child_fds)
+        pid, pidfd = await forker.launch(spec, [*child_fds, *start.fds()])
     except BaseException:
-        for fd in (status_r, go_w):
-            os.close(fd)
+        start.close()
         ours.close()
         maker.close()
         raise
     finally:
         for fd in child_fds:
             os.close(fd)
+        start.handed()
         theirs.detach()
         launcher_end.detach()
     try:
         family = Family(pid, pidfd, start_time(pid), netns_maker=maker)
-    except (OSError, ValueError, IndexError):  # gone already (the zygote reaped it)
+    except (OSError, ValueError, IndexError):  # gone already (its forker reaped it)
         family = Family(pid, pidfd, 0, netns_maker=maker)
     if started is not None:
         started(family)
     channel = ping = None
     try:
-        if await _read_some(status_r, timeout) != b"u":
-            raise SpawnError(f"the launcher died before making its user namespace (see {log_path})")
-        _write_id_maps(pid, uid_base)
-        os.write(go_w, b"g")
+        await start.mapped(timeout, lambda: forker.write_id_maps(pid, uid_base))
         channel = AgentChannel(ours)
         ping = asyncio.ensure_future(channel.call("ping"))
-        # The status pipe reports an entry failure as text, success as EOF (every
-        # writer closed or exec'd); the ping answers once the agent serves.
-        failure = await _read_some(status_r, timeout)
-        if failure:
+        # The ping answers once the agent serves.
+        try:
+            await start.entered(timeout)
+        except SpawnError:
             ping.cancel()
-            raise SpawnError(failure.decode(errors="replace"))
+            raise
         try:
             await asyncio.wait_for(ping, timeout)
         except (TimeoutError, OSError, EOFError) as exc:
@@ -368,5 +582,4 @@ async def spawn_family(
         await _abandon(family, channel, ping, ours)
         raise
     finally:
-        os.close(status_r)
-        os.close(go_w)
+        start.close()

@@ -115,3 +115,26 @@ def clashing_slots(claims: list[tuple[int, int]]) -> set[int]:
         last = min(SLOTS - 1, (start + length - 1 - UID_BASE) // UID_COUNT)
         found.update(range(first, last + 1))
     return found
+
+
+def template_map(own: int, families: set[int]) -> str:
+    """The id map of a template's user namespace Z (``agent.launching``): Z's own slot
+    ``own`` as ids 0.., and each of ``families`` (never ``own``) at ids
+    ``slot * UID_COUNT``.., where :func:`in_template` finds it. One line per run of
+    consecutive slots; the kernel takes at most 340."""
+    lines = [f"0 {slot_base(own)} {UID_COUNT}"]
+    run: list[int] = []
+    for slot in [*sorted(families - {own}), None]:
+        if run and (slot is None or slot != run[-1] + 1):
+            lines.append(f"{run[0] * UID_COUNT} {slot_base(run[0])} {len(run) * UID_COUNT}")
+            run = []
+        if slot is not None:
+            run.append(slot)
+    if len(lines) > 340:
+        raise ValueError(f"a template's id map would take {len(lines)} lines (at most 340)")
+    return "\n".join(lines) + "\n"
+
+
+def in_template(base: int) -> int:
+    """Where family slot starting at host id ``base`` is seen in a template's namespace."""
+    return base - UID_BASE

@@ -1,0 +1,130 @@
+"""Creates fork their image's template (engine.templates, agent.launching): no
+interpreter starts, yet each family is as apart from its siblings as one the zygote
+starts, and its REPL is what a started one would be."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+from pathlib import Path
+
+from waiting import ended, eventually
+
+_NS_GET_USERNS = 0xB701
+_NS_GET_PARENT = 0xB702
+
+
+def _ppid(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def _comm(pid: int) -> str:
+    return Path(f"/proc/{pid}/comm").read_text().strip()
+
+
+def _ns_inode(fd: int, request: int) -> int:
+    """The inode of the namespace ``request`` (an NS_GET_* ioctl) gives for ``fd``."""
+    got = fcntl.ioctl(fd, request)
+    try:
+        return os.fstat(got).st_ino
+    finally:
+        os.close(got)
+
+
+def _ns(pid: int, kind: str, request: int | None = None) -> int:
+    fd = os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY)
+    try:
+        return os.fstat(fd).st_ino if request is None else _ns_inode(fd, request)
+    finally:
+        os.close(fd)
+
+
+def _host_uid(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Uid:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no Uid line for {pid}")
+
+
+def _template_of(harness, sb) -> int:
+    """The template REPL's pid that forked ``sb``'s launcher (asserting that one did)."""
+    launcher = harness.engine.get(sb.id).family.family.pid
+    template = _ppid(launcher)
+    assert _comm(template) == "bb-template", f"{sb.id}'s launcher's parent is {_comm(template)}"
+    assert _comm(_ppid(template)) == "bb-template-map"
+    return template
+
+
+def test_a_create_forks_its_images_template_and_its_repl_is_a_started_ones(harness,
+                                                                          make) -> None:
+    sb = make()
+    _template_of(harness, sb)
+    repl = harness.engine.get(sb.id).body.repl_host
+    assert _comm(repl) == "python3"
+    # The image's site ran inside the sandbox: its venv's packages import as they would.
+    assert "'/opt/venv/lib/python3.11/site-packages'" in sb.run_code(
+        "import sys; sys.path").text
+    assert sb.run_code("import pip; pip.__name__").text == "'pip'"
+    env = sb.run_code("import os; sorted(os.environ)").text
+    for name in ("LD_PRELOAD", "PYTHONMALLOC", "MIMALLOC_LARGE_OS_PAGES",
+                 "BRANCHBOX_HUGE_HEAP"):
+        assert name not in env
+    assert "'HOSTNAME'" in env and "'PATH'" in env
+    assert sb.run_code("import os; os.getcwd()").text == "'/root'"
+
+
+def test_families_of_one_template_are_as_apart_as_the_zygotes(harness, make) -> None:
+    """Own host ids, own user namespace (a child of the template's), a PID namespace the
+    sandbox's root has no power over, and random state of its own."""
+    a, b = make(), make()
+    template = _template_of(harness, a)
+    assert _template_of(harness, b) == template
+    ra, rb = (harness.engine.get(sb.id).body.repl_host for sb in (a, b))
+    assert _host_uid(ra) != _host_uid(rb)
+    assert _host_uid(ra) != _host_uid(template) != _host_uid(rb)
+    assert _ns(ra, "user") != _ns(rb, "user")
+    template_userns = _ns(template, "user")
+    for repl in (ra, rb):
+        assert _ns(repl, "user", _NS_GET_PARENT) == template_userns
+        # the family's PID namespace P belongs to the template's namespace, not the
+        # family's: sandbox root can neither mount a proc of P nor enter it
+        assert _ns(repl, "pid", _NS_GET_USERNS) == template_userns
+        base = _host_uid(repl)
+        assert Path(f"/proc/{repl}/uid_map").read_text().split() == ["0", str(base), "65536"]
+    draws = {sb.run_code("import random; random.random()").text for sb in (a, b)}
+    assert len(draws) == 2
+    # what one family writes is owned by its own ids, not its sibling's
+    a.run_code("open('/root/mine', 'w').write('a')")
+    assert harness.host_path(a, "/root/mine").stat().st_uid == _host_uid(ra)
+
+
+def test_an_environment_an_interpreter_reads_at_its_start_gets_an_interpreter(
+        harness, make) -> None:
+    """PYTHONPATH and its kind are read once, at an interpreter's start: such a create
+    gets a started one (the zygote's launcher); what is read later (TZ) is read anew."""
+    own = make(env={"PYTHONPATH": "/opt/extra"})
+    launcher = harness.engine.get(own.id).family.family.pid
+    assert _comm(_ppid(launcher)) != "bb-template"
+    assert "'/opt/extra'" in own.run_code("import sys; sys.path").text
+    forked = make(env={"TZ": "EST5"})
+    _template_of(harness, forked)
+    assert forked.run_code("import time; time.tzname").text == "('EST', 'EST')"
+
+
+def test_a_template_that_dies_is_replaced(harness, make) -> None:
+    first = make()
+    template = _template_of(harness, first)
+    os.kill(template, signal.SIGKILL)
+    assert eventually(lambda: ended(template))
+    # Its families run on, and so do those of the warm pool it forked; the next family
+    # the engine starts finds it gone and is forked by a new one.
+    assert first.run_code("'alive'").text == "'alive'"
+    for _ in range(5):  # the pool's two, then one it started after the kill
+        later = make()
+        assert later.run_code("1 + 1").text == "2"
+        parent = _ppid(harness.engine.get(later.id).family.family.pid)
+        if parent != template and _comm(parent) == "bb-template":
+            break
+    assert parent != template and _comm(parent) == "bb-template", _comm(parent)
