@@ -307,16 +307,20 @@ class SandboxNetwork:
         the link is gone (``_reap``): the port's MAC is derived from it."""
         port = self.ports.pop(body_key, None)
         if port is not None:
-            self._let_go(port)
+            self._let_go([port])
 
-    def _let_go(self, port: Port) -> None:
-        self.net.firewall.clear_policy(port.address, self.policies.pop(port.address, None))
-        self.net.firewall.remove_ports([(port.name, port.mac, port.address)])
-        self.db.execute("UPDATE net_leases SET body = NULL WHERE address = ?", (port.address,))
-        if port.plugged:
-            self._dying[port.name] = (port, time.monotonic())
-        else:
-            self._free(port.address)
+    def _let_go(self, ports: list[Port]) -> None:
+        """Out of the firewall (the ports in one transaction), then dying or free."""
+        for port in ports:
+            self.net.firewall.clear_policy(port.address, self.policies.pop(port.address, None))
+        self.net.firewall.remove_ports([(port.name, port.mac, port.address) for port in ports])
+        for port in ports:
+            self.db.execute("UPDATE net_leases SET body = NULL WHERE address = ?",
+                            (port.address,))
+            if port.plugged:
+                self._dying[port.name] = (port, time.monotonic())
+            else:
+                self._free(port.address)
 
     def _reap(self) -> None:
         """Free the addresses of released ports whose links are gone; delete the links
@@ -443,7 +447,8 @@ class SandboxNetwork:
     def _drop(self, made: list[Made]) -> None:
         for m in made:
             os.close(m.netns)
-            self._let_go(m.port)
+        if made:
+            self._let_go([m.port for m in made])
 
     async def _drop_all_made(self) -> None:
         """Every family's namespaces go; what is being made is cancelled and waited for

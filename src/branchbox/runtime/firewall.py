@@ -153,7 +153,17 @@ table inet {t} {{
             self.nft.run([self._port("add", ports)])
 
     def remove_ports(self, ports: list[tuple[str, str, str]]) -> None:
-        for port in ports:  # one by one: an element already gone must not keep the others
+        """Forget ports: in one transaction, or one by one if that is refused (an element
+        already gone must not keep the others)."""
+        if not ports:
+            return
+        try:
+            self.nft.run([self._port("delete", ports)])
+            return
+        except NftError:
+            if len(ports) == 1:
+                return
+        for port in ports:
             with contextlib.suppress(NftError):
                 self.nft.run([self._port("delete", [port])])
 
