@@ -7,12 +7,16 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
+import struct
 from pathlib import Path
 
 from waiting import ended, eventually
 
+from branchbox.sdk._portal import portal
+
 _NS_GET_USERNS = 0xB701
 _NS_GET_PARENT = 0xB702
+_NS_GET_OWNER_UID = 0xB704
 
 
 def _ppid(pid: int) -> int:
@@ -37,6 +41,15 @@ def _ns(pid: int, kind: str, request: int | None = None) -> int:
     fd = os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY)
     try:
         return os.fstat(fd).st_ino if request is None else _ns_inode(fd, request)
+    finally:
+        os.close(fd)
+
+
+def _owner_uid(pid: int) -> int:
+    """The (host) uid that owns ``pid``'s user namespace."""
+    fd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY)
+    try:
+        return struct.unpack("I", fcntl.ioctl(fd, _NS_GET_OWNER_UID, bytes(4)))[0]
     finally:
         os.close(fd)
 
@@ -93,6 +106,9 @@ def test_families_of_one_template_are_as_apart_as_the_zygotes(harness, make) -> 
         assert _ns(repl, "pid", _NS_GET_USERNS) == template_userns
         base = _host_uid(repl)
         assert Path(f"/proc/{repl}/uid_map").read_text().split() == ["0", str(base), "65536"]
+        # owned by the family's own ids, not the template's root: the template keeps no
+        # power over it, and its processes count against RLIMIT_NPROC as its own
+        assert _owner_uid(repl) == base
     draws = {sb.run_code("import random; random.random()").text for sb in (a, b)}
     assert len(draws) == 2
     # what one family writes is owned by its own ids, not its sibling's
@@ -128,3 +144,53 @@ def test_a_template_that_dies_is_replaced(harness, make) -> None:
         if parent != template and _comm(parent) == "bb-template":
             break
     assert parent != template and _comm(parent) == "bb-template", _comm(parent)
+
+
+def test_a_forked_repl_is_what_a_started_one_is(harness, make) -> None:
+    """Interpreter flags, sys.path and the signals an interpreter ignores at its start:
+    the same in a template's REPL as in one the zygote started (an env var the
+    interpreter reads at start, and that changes none of these, sends it there)."""
+    probe = ("import signal, sys; (tuple(sys.flags), sys.path, "
+             "[signal.getsignal(s) for s in (signal.SIGPIPE, signal.SIGXFSZ)])")
+    forked, started = make(), make(env={"PYTHONIOENCODING": "utf-8"})
+    _template_of(harness, forked)
+    assert _comm(_ppid(harness.engine.get(started.id).family.family.pid)) != "bb-template"
+    assert forked.run_code(probe).text == started.run_code(probe).text
+
+
+def _memory_holds(pid: int, needle: bytes) -> bool:
+    """Whether any readable mapping of ``pid`` holds ``needle`` (read as host root)."""
+    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
+        for line in maps:
+            span, perms = line.split()[:2]
+            start, end = (int(x, 16) for x in span.split("-"))
+            if not perms.startswith("r") or line.rstrip().endswith("[vvar]"):
+                continue
+            for at in range(start, end, 1 << 24):
+                try:
+                    mem.seek(at)
+                    chunk = mem.read(min(1 << 24, end - at) + len(needle))
+                except OSError:
+                    break
+                if needle in chunk:
+                    return True
+    return False
+
+
+def test_no_family_finds_another_familys_request_in_its_memory(harness, make,
+                                                               monkeypatch) -> None:
+    """A template's memory is every later family's: what one create asked for (its env:
+    secrets, often) must not stay in it. The pool is kept empty so that the requests go
+    through the template itself."""
+    monkeypatch.setattr(harness.engine.config, "warm_pool", 0)
+    portal.run(harness.engine._drop_warm())
+    secret = f"s3cr3t-{os.urandom(8).hex()}"
+    a = make(env={"API_TOKEN": secret})
+    template = _template_of(harness, a)
+    assert a.run_code("import os; os.environ['API_TOKEN']").text == repr(secret)
+    repl_a = harness.engine.get(a.id).body.repl_host
+    assert _memory_holds(repl_a, secret.encode())  # the probe finds it where it belongs
+    assert not _memory_holds(template, secret.encode())
+    b = make()
+    assert _template_of(harness, b) == template
+    assert not _memory_holds(harness.engine.get(b.id).body.repl_host, secret.encode())

@@ -42,15 +42,19 @@ A template (``runtime.family.Template`` on the daemon's side) is a process the
 zygote starts per image: a user namespace Z mapping its own id slot and every
 family slot, a map writer left in the host's mount namespace (the only place a
 family's ``/proc/PID/uid_map`` can be written from: its parent namespace, Z),
-and the image's python3 started with ``-S`` (the image's site code runs in each
-sandbox instead, after it entered it), the agent imported, forking a launcher
-per create. A create from it is a fork, not an interpreter start; the family's
-user namespace is a child of Z with the family's own slot, as distinct from
-its siblings' as a zygote's families are.
+and the image's python3 (only a built-in image's: its code, site included, runs
+with authority over every family it starts) with the agent imported, forking a
+launcher per create. A create from it is a fork, not an interpreter start; the
+family's user namespace is a child of Z with the family's own slot (and owned by
+it, not by Z's root), as distinct from its siblings' as a zygote's families are.
+What a fork shares that an exec would not: the address space layout, the stack
+canary and Python's hash secret, among the families of one template (the engine
+retires a template after a while, ``engine.templates``).
 """
 
 from __future__ import annotations
 
+import array
 import atexit
 import contextlib
 import json
@@ -79,26 +83,51 @@ _FD_NAMES = ("tree_fd", "ctrl_fd", "status_w", "go_r", "log_fd", "netns_fd", "ma
 
 
 def serve(conn: socket.socket, name: str) -> None:
-    """Fork a launcher per request until the daemon hangs up."""
+    """Fork a launcher per request until the daemon hangs up.
+
+    A request is read into one buffer, parsed only in the launcher, and wiped once the
+    launcher is forked: it names a family's environment (its secrets, often), and a
+    template's memory is every later family's (a fork, not an exec), so nothing of one
+    request may stay in it. Only fd numbers and the reply pass through its heap."""
     sysc.set_process_name(name)
     signal.signal(signal.SIGCHLD, _reap)
+    buffer = bytearray(REQUEST_MAX)
+    view = memoryview(buffer)
+    blank = bytes(REQUEST_MAX)
     while True:
-        msg, fds, _, _ = socket.recv_fds(conn, REQUEST_MAX, FDS_MAX)
-        if not msg:
+        size, ancillary, flags, _ = conn.recvmsg_into([buffer], socket.CMSG_SPACE(
+            FDS_MAX * array.array("i").itemsize))
+        fds = _received_fds(ancillary)
+        if not size and not fds:
             return
-        reply, pidfd = _fork_launcher(conn, json.loads(msg), fds)
+        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            reply, pidfd = {"error": "the request is too large"}, -1
+            for fd in fds:
+                os.close(fd)
+        else:
+            reply, pidfd = _fork_launcher(conn, view[:size], fds)
+        view[:size] = blank[:size]
         socket.send_fds(conn, [json.dumps(reply).encode()], [pidfd] if pidfd >= 0 else [])
         if pidfd >= 0:
             os.close(pidfd)
 
 
+def _received_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    fds = array.array("i")
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+    return list(fds)
+
+
 def template(ctrl_fd: int) -> None:
-    """An image's template (exec'd by :func:`_template` with ``-S``): load the whole agent
-    now, once, so every REPL forked from here has it, say so, then serve launches."""
+    """An image's template (exec'd by :func:`_template`): load the whole agent now, once,
+    so every REPL forked from here has it, say so (with its pid, which the daemon
+    checks), then serve launches."""
     from . import main  # noqa: F401 - the imports every REPL would otherwise make
 
     conn = socket.socket(fileno=ctrl_fd)
-    conn.send(b'{"ready": true}')
+    conn.send(json.dumps({"ready": True, "pid": os.getpid()}).encode())
     serve(conn, "bb-template")
     os._exit(0)
 
@@ -109,9 +138,10 @@ def _reap(signo: int, frame: object) -> None:
             pass
 
 
-def _fork_launcher(conn: socket.socket, request: dict, fds: list[int]) -> tuple[dict, int]:
-    """Fork the launcher of ``request``; its pid and a pidfd, taken before anything can
-    reap it (SIGCHLD is held until then), so the pidfd is that process for sure."""
+def _fork_launcher(conn: socket.socket, request: memoryview, fds: list[int]
+                   ) -> tuple[dict, int]:
+    """Fork the launcher of ``request`` (parsed there); its pid and a pidfd, taken before
+    anything can reap it (SIGCHLD is held until then), so the pidfd is that process."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
     try:
         pid = os.fork()
@@ -126,7 +156,7 @@ def _fork_launcher(conn: socket.socket, request: dict, fds: list[int]) -> tuple[
             os.close(fd)
 
 
-def _launcher(conn: socket.socket, request: dict, fds: list[int]) -> None:
+def _launcher(conn: socket.socket, raw: memoryview, fds: list[int]) -> None:
     """In the fork child: become what a fresh launcher was, then start the family (or,
     asked by the daemon, a template)."""
     try:
@@ -134,6 +164,7 @@ def _launcher(conn: socket.socket, request: dict, fds: list[int]) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
         conn.close()
         os.setsid()  # no controlling terminal a sandbox could reach
+        request = json.loads(bytes(raw))
         spec = _renumbered(request["spec"], dict(zip(request["fds"], fds, strict=True)))
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
@@ -189,6 +220,17 @@ def _launch(spec: dict) -> None:
     signal.signal(signal.SIGTERM, end_family)
     try:
         sysc.unshare(sysc.CLONE_NEWPID)  # first: P then belongs to the forker's namespace
+        owner = spec.get("owner")
+        if owner is not None:
+            # A template's launcher takes the family's own ids in the template's namespace
+            # first: the family's namespace is then owned by them, not by the template's
+            # root, which so keeps no power over it (a parent namespace's process whose
+            # euid owns a child namespace has every capability in it); and the kernel
+            # counts the family's processes against RLIMIT_NPROC under that owner, the
+            # family's own, not under one owner shared by every family of the template.
+            os.setgroups([])
+            os.setresgid(owner, owner, owner)
+            os.setresuid(owner, owner, owner)
         _mapped(spec)
         sysc.unshare(sysc.CLONE_NEWNET)  # home: where it returns after making one
         home = sysc.netns_fd()
@@ -233,7 +275,8 @@ def _first_repl(spec: dict, status_w: int) -> None:
         spawner = entry.enter_sandbox(
             spec["tree_fd"], spec["attach"], spec["hostname"], spec["repl_cgroup_fds"],
             spec["cmds_cgroup_fds"], mounts,
-        ).spawner  # a family's first sandbox is one Landlock domain deep: no listener
+        ).spawner  # a family's first sandbox is one or two Landlock domains deep (a
+        # template's are nested in the template's): no listener
         os.makedirs(spec["cwd"], exist_ok=True)
         os.chdir(spec["cwd"])
         # Until here stdout/stderr were the daemon's log of this sandbox (entry errors
@@ -260,19 +303,19 @@ def _first_repl(spec: dict, status_w: int) -> None:
 
 
 def _serve_here(spec: dict, spawner: int) -> None:
-    """A template's REPL: what an interpreter start would have read from the sandbox,
-    read now (its environment, its time zone, its ``site``: site-packages, ``.pth``
-    files and sitecustomize, run inside the sandbox as they would have been), then
-    serve. The daemon starts a REPL this way only when the sandbox's environment sets
-    what the interpreter reads at its start (``PYTHON*``, locale, loader, allocator:
-    ``runtime.family.START_VARIABLES``) as the template's does."""
+    """A template's REPL: what an interpreter start reads from the sandbox that the
+    template's start did not read the same (its environment, its time zone), read now;
+    the signals an interpreter ignores at its start (its family init reset them),
+    ignored again; then serve. The daemon starts a REPL this way only when the
+    sandbox's environment sets what the interpreter reads at its start (``PYTHON*``,
+    locale, loader, allocator: ``runtime.family.START_VARIABLES``) as the template's
+    does; the template ran the image's ``site`` as a start in this image would."""
     sysc.set_process_name(os.path.basename(spec["python"]))  # what an exec would show
+    for signo in (signal.SIGPIPE, signal.SIGXFSZ):
+        signal.signal(signo, signal.SIG_IGN)
     os.environ.clear()
     os.environ.update(spec["env"])
     time.tzset()
-    import site
-
-    site.main()
     from .forking import boot
 
     try:
@@ -294,6 +337,7 @@ def _template(spec: dict) -> None:
     try:
         sysc.set_process_name("bb-template-map")
         _mapped(spec)
+        writer = os.getpid()
         pid = os.fork()
     except BaseException as exc:  # noqa: BLE001
         os.write(spec["status_w"], f"template set-up failed: {type(exc).__name__}: {exc}"
@@ -301,6 +345,9 @@ def _template(spec: dict) -> None:
         os._exit(1)
     if pid == 0:
         try:
+            sysc.prctl(sysc.PR_SET_PDEATHSIG, signal.SIGKILL)  # it ends with its writer
+            if os.getppid() != writer:
+                os._exit(1)
             spawner = entry.enter_sandbox(spec["tree_fd"], spec["attach"], spec["hostname"],
                                           [], []).spawner
             os.chdir("/")
@@ -309,7 +356,7 @@ def _template(spec: dict) -> None:
                 os.set_inheritable(fd, True)
             entry.close_fds_except(keep)
             code = TEMPLATE_BOOT.format(ctrl=spec["ctrl_fd"])
-            os.execve(spec["python"], [spec["python"], "-S", "-c", code],
+            os.execve(spec["python"], [spec["python"], "-c", code],
                       huge_heap.repl_env(spec["env"]))
         except BaseException as exc:  # noqa: BLE001
             with contextlib.suppress(OSError):

@@ -116,6 +116,7 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
         self._templates: dict = {}  # image -> its template (engine.templates)
         self._template_lock = asyncio.Lock()
         self._template_failed: dict[str, float] = {}  # image -> no new try before then
+        self._retiring: dict[str, asyncio.Task] = {}  # image -> its template's replacement
         self._stopping = False
         self.net: SandboxNetwork | None = None
         self.host_image: HostImage | None = None
@@ -422,7 +423,9 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
             full_env = {**DEFAULT_ENV, "HOSTNAME": sid, **(env or {})}
 
             for retry in (False, True):
-                forker = await self._forker_for(image, full_env)
+                # A stopped sandbox's start runs the python3 of its own files (which it may
+                # have upgraded), not the template's.
+                forker = self.zygote if frozen else await self._forker_for(image, full_env)
                 try:
                     family, channel = await spawn_family(
                         forker=forker,

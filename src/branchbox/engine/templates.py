@@ -19,6 +19,7 @@ differently (``runtime.family.START_VARIABLES``) starts its own interpreter.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -34,6 +35,11 @@ log = logging.getLogger("branchbox.engine")
 RETRY_AFTER = 60.0
 """Seconds after a template failed to start before another is tried (creates start
 their own interpreter meanwhile)."""
+RETIRE_AFTER = (600.0, 256)
+"""A template is replaced after this many seconds or launches, whichever comes first:
+the families it forks share its address space layout, stack canary and hash secret
+(a fork's, where an exec would draw new ones), so that sharing is bounded in time and
+number. The replacement starts in the background; the old one serves until it is up."""
 
 
 @dataclass(eq=False)
@@ -41,6 +47,11 @@ class _Held:
     template: Template
     stack: LayerStack  # its root: the image under an empty layer of its own slot
     ids: IdRange
+
+    def stale(self) -> bool:
+        seconds, launches = RETIRE_AFTER
+        return (time.monotonic() - self.template.started > seconds
+                or self.template.launches >= launches)
 
 
 class Templates:
@@ -56,7 +67,23 @@ class Templates:
             held = await self._template(image)
         if held is None or not held.template.serves(env):
             return self.zygote
+        if held.stale() and image not in self._retiring:
+            task = asyncio.get_running_loop().create_task(self._replace_template(image, held))
+            self._retiring[image] = task
+            task.add_done_callback(lambda _: self._retiring.pop(image, None))
         return held.template
+
+    async def _replace_template(self, image: str, old: _Held) -> None:
+        """A new template for ``image`` in the place of ``old`` (which then closes)."""
+        async with self._template_lock:
+            if self._templates.get(image) is not old or self._stopping:
+                return
+            try:
+                self._templates[image] = await self._start_template(image)
+            except (SpawnError, OSError) as exc:
+                log.warning("could not replace the template of image %s: %s", image, exc)
+                return
+        await self._let_go(old)
 
     async def _template(self, image: str) -> _Held | None:
         async with self._template_lock:
@@ -108,14 +135,21 @@ class Templates:
 
     async def _close_template(self, image: str) -> None:
         held = self._templates.pop(image, None)
-        if held is None:
-            return
+        if held is not None:
+            await self._let_go(held)
+
+    async def _let_go(self, held: _Held) -> None:
+        """Close a template (its families run on), then its root and id slot go."""
         await held.template.close()
         self.layers.release(held.stack)
         held.ids.drop()
 
     async def _close_templates(self) -> None:
         """At stop: no family starts any more; those the templates started run on."""
+        for task in list(self._retiring.values()):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         async with self._template_lock:
             for image in list(self._templates):
                 await self._close_template(image)

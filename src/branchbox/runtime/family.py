@@ -23,11 +23,13 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from branchbox.agent import entry, huge_heap
+from branchbox.runtime import procfs
 from branchbox.runtime.channel import AgentChannel
 from branchbox.runtime.procfs import start_time
 from branchbox.storage.idmap import UID_COUNT, in_template
@@ -168,6 +170,10 @@ class _Forker:
     def _request(self, spec: dict, fds: list[int]) -> tuple[int, int]:
         raise NotImplementedError
 
+    def owner(self, uid_base: int) -> int | None:
+        """The ids a launcher takes before its family's user namespace (to own it)."""
+        return None
+
     async def write_id_maps(self, pid: int, uid_base: int) -> None:
         """Map the ids 0..65535 of launcher ``pid``'s new user namespace onto host range
         ``uid_base``.."""
@@ -182,12 +188,21 @@ def _ask(conn: socket.socket, message: bytes, fds: list[int]) -> tuple[int, int]
         for fd in got:
             os.close(fd)
         raise EOFError("hung up")
-    reply = json.loads(msg)
-    if "error" in reply or len(got) != 1:
+    try:
+        reply = json.loads(msg)
+        if "error" in reply:
+            raise SpawnError(str(reply["error"]))
+        if len(got) != 1:
+            raise SpawnError("no pidfd came with the launcher's pid")
+        return int(reply["pid"]), got[0]
+    except (ValueError, TypeError, KeyError) as exc:
         for fd in got:
             os.close(fd)
-        raise SpawnError(reply.get("error") or "no pidfd came with the launcher's pid")
-    return int(reply["pid"]), got[0]
+        raise SpawnError(f"a malformed answer to a launch: {exc}") from None
+    except SpawnError:
+        for fd in got:
+            os.close(fd)
+        raise
 
 
 class Zygote(_Forker):
@@ -287,8 +302,12 @@ class Template(_Forker):
                  env: dict[str, str]) -> None:
         super().__init__()
         self.pid, self.pidfd = pid, pidfd
+        self.repl = 0  # the template's REPL: the map writer's child (start_template checks)
         self._conn, self._maps = conn, maps
         self.start_env = start_variables(env)
+        self.started = time.monotonic()
+        self.launches = 0
+        self.userns = 0  # Z's inode (start_template reads it once Z exists)
         self._guard = threading.Lock()
         self.broken = False  # it failed a request: no more are sent to it
 
@@ -296,18 +315,41 @@ class Template(_Forker):
         """Whether a REPL forked from here is what one started with ``env`` would be."""
         return not self.broken and start_variables(env) == self.start_env
 
+    def owner(self, uid_base: int) -> int | None:
+        return in_template(uid_base)
+
     def _request(self, spec: dict, fds: list[int]) -> tuple[int, int]:
         message = json.dumps({"spec": spec, "fds": fds}).encode()
         with self._guard:
+            self.launches += 1
             try:
-                return _ask(self._conn, message, fds)
+                pid, pidfd = _ask(self._conn, message, fds)
             except (OSError, EOFError) as exc:
                 self.broken = True
                 raise SpawnError(f"the image's template did not answer: {exc}") from None
+        # Its answer is believed only for a child of its own: the daemon is about to record
+        # that process, and signal it, as host root.
+        try:
+            ours = procfs.pidfd_pid(pidfd) == pid and procfs.parent(pid) == self.repl
+        except (OSError, ValueError, IndexError):
+            ours = False
+        if not ours:
+            os.close(pidfd)
+            self.broken = True
+            raise SpawnError(f"the image's template answered with pid {pid}, not a launcher "
+                             "of its own")
+        return pid, pidfd
 
     async def write_id_maps(self, pid: int, uid_base: int) -> None:
         """Have the map writer give launcher ``pid``'s user namespace (a child of the
         template's) host range ``uid_base``.., then check that it did, from the host."""
+        try:
+            nested = procfs.parent_userns(pid) == self.userns
+        except OSError:
+            nested = False
+        if not nested:
+            self.broken = True
+            raise SpawnError(f"launcher {pid}'s user namespace is not a child of its template's")
         inside = in_template(uid_base)
         request = json.dumps({"pid": pid, "map": f"0 {inside} {UID_COUNT}\n"}).encode()
         answer = await asyncio.to_thread(self._map, request)
@@ -322,6 +364,11 @@ class Template(_Forker):
             if got != [want]:
                 raise SpawnError(f"the template wrote {name} {got}, not {want}")
 
+    def _hang_up(self) -> None:
+        with self._guard:  # after a request in hand
+            self._conn.close()
+            self._maps.close()
+
     def _map(self, request: bytes) -> bytes:
         with self._guard:
             try:
@@ -332,11 +379,9 @@ class Template(_Forker):
 
     async def close(self) -> None:
         """Hang up: the map writer kills the template's REPL and exits (killed if it does
-        not). Its families run on."""
+        not; the REPL then dies with it). Its families run on."""
         self.broken = True
-        with self._guard:
-            self._conn.close()
-            self._maps.close()
+        await asyncio.to_thread(self._hang_up)
         if self.pidfd < 0:
             return
         try:
@@ -416,9 +461,10 @@ class _Start:
     async def mapped(self, timeout: float, write_maps) -> None:
         """Wait for the user namespace, have its maps written (``await write_maps()``),
         and let the launcher go on."""
-        if await _read_some(self.status_r, timeout) != b"u":
-            raise SpawnError(
-                f"the launcher died before making its user namespace (see {self.log_path})")
+        said = await _read_some(self.status_r, timeout)
+        if said != b"u":
+            raise SpawnError(said.decode(errors="replace") or f"the launcher died before "
+                             f"making its user namespace (see {self.log_path})")
         await write_maps()
         os.write(self.go_w, b"g")
 
@@ -469,9 +515,16 @@ async def start_template(
     template = Template(pid, pidfd, ours, maps, env)
     try:
         await start.mapped(timeout, lambda: asyncio.to_thread(_write_id_maps, pid, id_map))
+        template.userns = os.stat(f"/proc/{pid}/ns/user").st_ino
         await start.entered(timeout)
         await asyncio.wait_for(_readable(ours.fileno()), timeout)
-        if ours.recv(64) != b'{"ready": true}':
+        try:
+            hello = json.loads(ours.recv(256) or b"{}")
+            template.repl = int(hello["pid"])
+            ready = hello["ready"] is True and procfs.parent(template.repl) == pid
+        except (ValueError, KeyError, TypeError, OSError, IndexError):
+            ready = False
+        if not ready:
             raise SpawnError(f"the image's template did not start (see {log_path})")
         ours.settimeout(30)
         # A request is one datagram: room for a spec with the largest env a create takes.
@@ -532,6 +585,7 @@ async def spawn_family(
         "mounts": list(mounts),
         "attach": entry.ATTACH if forker.in_process else str(attach),
         "in_process": forker.in_process,
+        "owner": forker.owner(uid_base),
         "hostname": hostname,
         "env": env,
         "cwd": cwd,

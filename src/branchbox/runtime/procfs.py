@@ -21,6 +21,7 @@ shared mappings are described, and a REPL with more cannot be forked
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import stat
 
@@ -128,6 +129,36 @@ def _stat_fields(pid: int) -> list[str]:
     ``n - 3`` is field ``n`` of proc(5)."""
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rpartition(")")[2].split()
+
+
+def parent(pid: int) -> int:
+    """``pid``'s parent (field 4 of its stat)."""
+    return int(_stat_fields(pid)[1])
+
+
+def pidfd_pid(pidfd: int) -> int:
+    """The host pid a pidfd refers to (its fdinfo says; -1 once the process is gone)."""
+    with open(f"/proc/self/fdinfo/{pidfd}") as f:
+        for line in f:
+            if line.startswith("Pid:"):
+                return int(line.split()[1])
+    raise ValueError(f"fd {pidfd} is not a pidfd")
+
+
+_NS_GET_PARENT = 0xB702
+
+
+def parent_userns(pid: int) -> int:
+    """The inode of the parent of ``pid``'s user namespace."""
+    fd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        up = fcntl.ioctl(fd, _NS_GET_PARENT)
+    finally:
+        os.close(fd)
+    try:
+        return os.fstat(up).st_ino
+    finally:
+        os.close(up)
 
 
 def start_time(pid: int) -> int:

@@ -121,7 +121,7 @@ def template_map(own: int, families: set[int]) -> str:
     """The id map of a template's user namespace Z (``agent.launching``): Z's own slot
     ``own`` as ids 0.., and each of ``families`` (never ``own``) at ids
     ``slot * UID_COUNT``.., where :func:`in_template` finds it. One line per run of
-    consecutive slots; the kernel takes at most 340."""
+    consecutive slots; ValueError past what the kernel takes."""
     lines = [f"0 {slot_base(own)} {UID_COUNT}"]
     run: list[int] = []
     for slot in [*sorted(families - {own}), None]:
@@ -130,9 +130,11 @@ def template_map(own: int, families: set[int]) -> str:
             run = []
         if slot is not None:
             run.append(slot)
-    if len(lines) > 340:
-        raise ValueError(f"a template's id map would take {len(lines)} lines (at most 340)")
-    return "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n"
+    if len(lines) > 340 or len(text) >= 4096:  # the kernel takes one write of under a page
+        raise ValueError(f"a template's id map would take {len(lines)} lines, "
+                         f"{len(text)} bytes (at most 340, under 4096)")
+    return text
 
 
 def in_template(base: int) -> int:
