@@ -12,6 +12,7 @@ from pathlib import Path
 
 from waiting import ended, eventually
 
+from branchbox.engine import templates
 from branchbox.sdk._portal import portal
 
 _NS_GET_USERNS = 0xB701
@@ -194,3 +195,20 @@ def test_no_family_finds_another_familys_request_in_its_memory(harness, make,
     b = make()
     assert _template_of(harness, b) == template
     assert not _memory_holds(harness.engine.get(b.id).body.repl_host, secret.encode())
+
+
+def test_a_template_is_retired_after_its_launches(harness, make, monkeypatch) -> None:
+    """Families of one template share its address-space layout and hash secret: after
+    RETIRE_AFTER's launches a new template takes over, and the old one ends once the
+    launches it began are done; its families run on."""
+    monkeypatch.setattr(templates, "RETIRE_AFTER", (600.0, 2))
+    monkeypatch.setattr(harness.engine.config, "warm_pool", 0)
+    monkeypatch.setattr(harness.engine.config, "spawn_timeout", 5.0)
+    portal.run(harness.engine._drop_warm())
+    first = [make() for _ in range(3)]  # the third finds it stale and starts the next
+    old = _template_of(harness, first[0])
+    assert eventually(lambda: harness.engine._templates["default"].template.repl != old)
+    later = make()
+    assert _template_of(harness, later) != old
+    assert eventually(lambda: ended(old))
+    assert [sb.run_code("1 + 1").text for sb in first] == ["2"] * 3

@@ -57,6 +57,7 @@ from __future__ import annotations
 import array
 import atexit
 import contextlib
+import gc
 import json
 import os
 import select
@@ -126,6 +127,10 @@ def template(ctrl_fd: int) -> None:
     checks), then serve launches."""
     from . import main  # noqa: F401 - the imports every REPL would otherwise make
 
+    # Every object alive now moves to the permanent generation: a collection in a
+    # launcher, family init or REPL forked from here never walks (and so copies) the
+    # pages they share with the template.
+    gc.freeze()
     conn = socket.socket(fileno=ctrl_fd)
     conn.send(json.dumps({"ready": True, "pid": os.getpid()}).encode())
     serve(conn, "bb-template")

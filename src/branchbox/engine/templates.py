@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from branchbox.engine.idranges import IdRange
 from branchbox.engine.layers import LayerStack
-from branchbox.runtime.family import SpawnError, Template, start_template
+from branchbox.runtime.family import Template, start_template
 from branchbox.storage.idmap import template_map
 from branchbox.storage.images import KNOWN_IMAGES
 
@@ -67,7 +67,8 @@ class Templates:
             held = await self._template(image)
         if held is None or not held.template.serves(env):
             return self.zygote
-        if held.stale() and image not in self._retiring:
+        if held.stale() and image not in self._retiring and \
+                time.monotonic() >= self._template_failed.get(image, 0.0):
             task = asyncio.get_running_loop().create_task(self._replace_template(image, held))
             self._retiring[image] = task
             task.add_done_callback(lambda _: self._retiring.pop(image, None))
@@ -80,10 +81,15 @@ class Templates:
                 return
             try:
                 self._templates[image] = await self._start_template(image)
-            except (SpawnError, OSError) as exc:
-                log.warning("could not replace the template of image %s: %s", image, exc)
+            except Exception as exc:  # noqa: BLE001 - the old one serves on
+                log.warning("could not replace the template of image %s (retried in "
+                            "%g s): %s", image, RETRY_AFTER, exc)
+                self._template_failed[image] = time.monotonic() + RETRY_AFTER
                 return
-        await self._let_go(old)
+        try:  # a launch it began still needs its map writer, for at most a spawn's timeout
+            await asyncio.sleep(self.config.spawn_timeout)
+        finally:  # or at once, at stop
+            await self._let_go(old)
 
     async def _template(self, image: str) -> _Held | None:
         async with self._template_lock:
@@ -97,7 +103,7 @@ class Templates:
             try:
                 held = self._templates[image] = await self._start_template(image)
                 return held
-            except (SpawnError, OSError) as exc:
+            except Exception as exc:  # noqa: BLE001 - whatever it was, creates go on without
                 log.warning("no template for image %s (creates start their own "
                             "interpreter; retried in %g s): %s", image, RETRY_AFTER, exc)
                 self._template_failed[image] = time.monotonic() + RETRY_AFTER
