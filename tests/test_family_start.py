@@ -9,7 +9,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from waiting import ended
+from waiting import ended, eventually
 
 from branchbox.sdk._portal import portal
 
@@ -82,3 +82,32 @@ def test_a_launcher_makes_network_namespaces_its_family_owns(harness, make) -> N
     finally:
         for fd in made:
             os.close(fd)
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _state(pid: int) -> str:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2]
+
+
+def test_a_family_init_is_bb_init_reaping_and_holding_nothing(harness, make) -> None:
+    """Once it has forked the first REPL, a family's init execs ``bb-init --reap`` (no
+    Python heap per family): it holds no fd, and reaps the fork children it inherits
+    (they are its children: CLONE_PARENT) when they are closed."""
+    for sb in (make(), make(env=OWN_INTERPRETER)):  # a template's family, a zygote's
+        launcher = harness.engine.get(sb.id).family.family.pid
+        [init] = [c for c in _children(launcher)]
+        assert Path(f"/proc/{init}/comm").read_text().strip() == "bb-family"
+        assert Path(f"/proc/{init}/cmdline").read_bytes().split(b"\0")[:2] == [
+            b"bb-family", b"--reap"]
+        assert os.listdir(f"/proc/{init}/fd") == []
+        kids = sb.fork(2)
+        hosts = [harness.engine.get(k.id).body.repl_host for k in kids]
+        assert set(hosts) <= set(_children(init))
+        for kid in kids:
+            kid.close()
+        assert eventually(lambda: not set(hosts) & set(_children(init)))  # noqa: B023
+        assert all(_state(c) != "Z" for c in _children(init))

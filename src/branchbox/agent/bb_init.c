@@ -8,6 +8,7 @@
  * Statically linked, so it runs on any image.
  *
  *   bb-init PROC_DIR READY_FD SPAWN_FD [CGROUP_FD...]
+ *   bb-init --reap        (a family's init: reap orphans forever, nothing else)
  *
  * Why a spawner: the REPL stays in its family's PID namespace P and never
  * changes its own pid_for_children, so P can belong to the host's user
@@ -67,14 +68,8 @@ static void close_from(int low) {
     syscall(SYS_close_range, low, ~0U, 0);
 }
 
-static void q_init(const char *proc_dir, int status_w) {
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (mount("proc", proc_dir, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) != 0) {
-        dprintf(status_w, "mounting /proc: %s", strerror(errno));
-        _exit(1);
-    }
-    if (write(status_w, "", 1) != 1)
-        _exit(1);
+/* Be a PID namespace's init: hold no fd, reap every orphan, never return. */
+static void reap_forever(void) {
     for (int fd = 0; fd < 3; fd++)
         close(fd);
     close_from(3);
@@ -88,6 +83,17 @@ static void q_init(const char *proc_dir, int status_w) {
         while (waitpid(-1, NULL, WNOHANG) > 0)
             ;
     }
+}
+
+static void q_init(const char *proc_dir, int status_w) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (mount("proc", proc_dir, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) != 0) {
+        dprintf(status_w, "mounting /proc: %s", strerror(errno));
+        _exit(1);
+    }
+    if (write(status_w, "", 1) != 1)
+        _exit(1);
+    reap_forever();
 }
 
 /* Split a request (cwd, argc in decimal, argc arguments, then KEY=VALUE strings, each
@@ -260,6 +266,13 @@ static void serve(int sock) {
 }
 
 int main(int argc, char **argv) {
+    if (argc == 2 && strcmp(argv[1], "--reap") == 0) {
+        /* A family's init (agent/launching.py) execs this once it has forked the first
+         * REPL: its parent-death signal and its signal dispositions (all default) carry
+         * over; its Python heap, ~2 MB of private pages per family, does not. */
+        prctl(PR_SET_NAME, "bb-family");
+        reap_forever();
+    }
     if (argc < 4)
         return 2;
     ready_fd = atoi(argv[2]);

@@ -80,7 +80,8 @@ REQUEST_MAX = 1 << 20  # bytes of one request (a spec with its env)
 FDS_MAX = 250  # fds of one request (the kernel takes at most 253 in one SCM_RIGHTS)
 MAP_MAX = 1 << 16  # bytes of one id map request to a template's map writer
 NAMESPACES_MAX = 64  # made per request (the kernel passes 253 fds in one message)
-_FD_NAMES = ("tree_fd", "ctrl_fd", "status_w", "go_r", "log_fd", "netns_fd", "maps_fd")
+_FD_NAMES = ("tree_fd", "ctrl_fd", "status_w", "go_r", "log_fd", "netns_fd", "maps_fd",
+             "reaper_fd")
 
 
 def serve(conn: socket.socket, name: str) -> None:
@@ -264,6 +265,11 @@ def _family_init(spec: dict, status_w: int) -> None:
                 signal.signal(signo, signal.SIG_DFL)
     if os.fork() == 0:
         _first_repl(spec, status_w)
+    reaper = spec.get("reaper_fd")
+    if reaper is not None:  # bb-init --reap: this init's job without its Python heap
+        entry.close_fds_except({reaper})
+        with contextlib.suppress(OSError):
+            os.execve(reaper, ["bb-family", "--reap"], {})
     os.closerange(0, 65536)
     entry.reap_forever()
 

@@ -438,6 +438,7 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
                         env=full_env,
                         cwd=meta["cwd"],
                         python=self.image_python(image),
+                        reaper=self.agent_layer / ".branchbox" / "bb-init",
                         attach=ATTACH_DIR,
                         log_path=self.config.data_dir / "logs" / f"{sid}.log",
                         timeout=self.config.spawn_timeout,

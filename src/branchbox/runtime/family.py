@@ -557,6 +557,7 @@ async def spawn_family(
     attach: Path,
     log_path: Path,
     python: str = "/usr/bin/python3",
+    reaper: Path | None = None,
     timeout: float = 30.0,
     started: Callable[[Family], None] | None = None,
 ) -> tuple[Family, AgentChannel]:
@@ -568,13 +569,17 @@ async def spawn_family(
     attach in the root: (fd, path in the sandbox)). Sandbox root is host id ``uid_base``.
     ``started`` is called with the family as soon as its launcher runs: the launcher
     outlives a daemon killed from then on, so that is when it must be recorded.
+    ``reaper`` is the agent layer's ``bb-init``, which the family's init execs once it
+    has forked the first REPL (without it, that init reaps in Python).
     """
+    reaper_fd = os.open(reaper, os.O_RDONLY | os.O_CLOEXEC) if reaper is not None else -1
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     maker, launcher_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     maker.settimeout(MAKE_TIMEOUT)
     start = _Start(log_path)
     child_fds = [tree_fd, theirs.fileno(), launcher_end.fileno(), *repl_cgroup_fds,
-                 *cmds_cgroup_fds, *(fd for fd, _ in mounts)]
+                 *cmds_cgroup_fds, *(fd for fd, _ in mounts),
+                 *([reaper_fd] if reaper_fd >= 0 else [])]
     spec = {
         "tree_fd": tree_fd,
         "ctrl_fd": theirs.fileno(),
@@ -586,6 +591,7 @@ async def spawn_family(
         "attach": entry.ATTACH if forker.in_process else str(attach),
         "in_process": forker.in_process,
         "owner": forker.owner(uid_base),
+        **({"reaper_fd": reaper_fd} if reaper_fd >= 0 else {}),
         "hostname": hostname,
         "env": env,
         "cwd": cwd,
