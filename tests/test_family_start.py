@@ -102,7 +102,7 @@ def test_a_family_init_is_bb_init_reaping_and_holding_nothing(harness, make) -> 
         [init] = [c for c in _children(launcher)]
         assert Path(f"/proc/{init}/comm").read_text().strip() == "bb-family"
         assert Path(f"/proc/{init}/cmdline").read_bytes().split(b"\0")[:2] == [
-            b"bb-family", b"--reap"]
+            b"bb-init", b"--reap"]
         assert os.listdir(f"/proc/{init}/fd") == []
         kids = sb.fork(2)
         hosts = [harness.engine.get(k.id).body.repl_host for k in kids]

@@ -22,6 +22,6 @@ def ended(pid: int) -> bool:
     """Whether process ``pid`` has exited (a zombie, or reaped already)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone, or going while read (ESRCH)
         return True
     return stat[stat.rindex(")") + 2] == "Z"

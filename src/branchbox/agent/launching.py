@@ -269,7 +269,7 @@ def _family_init(spec: dict, status_w: int) -> None:
     if reaper is not None:  # bb-init --reap: this init's job without its Python heap
         entry.close_fds_except({reaper})
         with contextlib.suppress(OSError):
-            os.execve(reaper, ["bb-family", "--reap"], {})
+            os.execve(reaper, ["bb-init", "--reap"], {})  # named bb-family again there
     os.closerange(0, 65536)
     entry.reap_forever()
 
