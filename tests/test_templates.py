@@ -10,6 +10,7 @@ import signal
 import struct
 from pathlib import Path
 
+import pytest
 from waiting import ended, eventually
 
 from branchbox.engine import templates
@@ -71,10 +72,23 @@ def _template_of(harness, sb) -> int:
     return template
 
 
+def _status(pid: int, field: str) -> str:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return line.split()[1]
+    raise AssertionError(f"no {field} for {pid}")
+
+
 def test_a_create_forks_its_images_template_and_its_repl_is_a_started_ones(harness,
                                                                           make) -> None:
     sb = make()
-    _template_of(harness, sb)
+    template = _template_of(harness, sb)
+    # The map writer (in the host's mount and PID namespaces) keeps only what writing a
+    # family's id maps takes, in Z: CAP_DAC_OVERRIDE, CAP_SETGID, CAP_SETUID, CAP_SYS_ADMIN.
+    writer = _ppid(template)
+    for field in ("CapEff", "CapPrm", "CapBnd"):
+        assert int(_status(writer, field), 16) == (1 << 1) | (1 << 6) | (1 << 7) | (1 << 21)
+    assert _status(writer, "NoNewPrivs") == "1"
     repl = harness.engine.get(sb.id).body.repl_host
     assert _comm(repl) == "python3"
     # The image's site ran inside the sandbox: its venv's packages import as they would.
@@ -130,7 +144,16 @@ def test_an_environment_an_interpreter_reads_at_its_start_gets_an_interpreter(
     assert forked.run_code("import time; time.tzname").text == "('EST', 'EST')"
 
 
-def test_a_template_that_dies_is_replaced(harness, make) -> None:
+@pytest.fixture
+def fresh_pool(harness):
+    """The module's engine is shared: after a test that ends or retires a template, its
+    warm pool's sandboxes (forked by that template, their launchers now orphans) go, so
+    later tests get sandboxes of the current template."""
+    yield
+    portal.run(harness.engine._drop_warm())
+
+
+def test_a_template_that_dies_is_replaced(harness, make, fresh_pool) -> None:
     first = make()
     template = _template_of(harness, first)
     os.kill(template, signal.SIGKILL)
@@ -197,7 +220,8 @@ def test_no_family_finds_another_familys_request_in_its_memory(harness, make,
     assert not _memory_holds(harness.engine.get(b.id).body.repl_host, secret.encode())
 
 
-def test_a_template_is_retired_after_its_launches(harness, make, monkeypatch) -> None:
+def test_a_template_is_retired_after_its_launches(harness, make, monkeypatch,
+                                                  fresh_pool) -> None:
     """Families of one template share its address-space layout and hash secret: after
     RETIRE_AFTER's launches a new template takes over, and the old one ends once the
     launches it began are done; its families run on."""

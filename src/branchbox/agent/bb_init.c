@@ -9,6 +9,7 @@
  *
  *   bb-init PROC_DIR READY_FD SPAWN_FD [CGROUP_FD...]
  *   bb-init --reap        (a family's init: reap orphans forever, nothing else)
+ *   bb-init --launcher INIT_PID CONN_FD HOME_FD   (a family's launcher, see launcher())
  *
  * Why a spawner: the REPL stays in its family's PID namespace P and never
  * changes its own pid_for_children, so P can belong to the host's user
@@ -43,6 +44,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
@@ -265,7 +267,111 @@ static void serve(int sock) {
     }
 }
 
+#ifndef SIOCGSKNS
+#define SIOCGSKNS 0x894C
+#endif
+#define NAMESPACES_MAX 64 /* made per request (agent/launching.py's NAMESPACES_MAX) */
+
+static volatile pid_t family_init;
+
+static void end_family(int signo) {
+    (void)signo;
+    kill(family_init, SIGKILL); /* the poll below sees it end, and reaps it */
+}
+
+/* Send "count" and the count fds (SCM_RIGHTS) over conn; -1 if it cannot. */
+static int send_made(int conn, const int *made, int count) {
+    char text[16];
+    int len = snprintf(text, sizeof text, "%d", count);
+    struct iovec iov = {text, (size_t)len};
+    union {
+        char buf[CMSG_SPACE(NAMESPACES_MAX * sizeof(int))];
+        struct cmsghdr align;
+    } control;
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
+    if (count > 0) {
+        msg.msg_control = control.buf;
+        msg.msg_controllen = CMSG_SPACE(count * sizeof(int));
+        struct cmsghdr *cmsg = CMSG_FIRSTHDR(&msg);
+        cmsg->cmsg_level = SOL_SOCKET;
+        cmsg->cmsg_type = SCM_RIGHTS;
+        cmsg->cmsg_len = CMSG_LEN(count * sizeof(int));
+        memcpy(CMSG_DATA(cmsg), made, count * sizeof(int));
+    }
+    return sendmsg(conn, &msg, MSG_NOSIGNAL) < 0 ? -1 : 0;
+}
+
+/* A family's launcher, once it has forked the family's init (agent/launching.py's
+ * _make_namespaces_until, without its Python heap): until the init ends, make network
+ * namespaces on the daemon's request over conn (a count; the answer, as many as could be
+ * made, as fds), each owned by the family's user namespace, coming back to home after
+ * each; SIGTERM ends the family (kills its init, then reaps it). */
+static int launcher(pid_t init, int conn, int home) {
+    prctl(PR_SET_NAME, "bb-launcher");
+    family_init = init;
+    struct sigaction term = {.sa_handler = end_family};
+    sigaction(SIGTERM, &term, NULL);
+    int pidfd = (int)syscall(SYS_pidfd_open, init, 0);
+    if (pidfd < 0)
+        return 1;
+    struct pollfd watch[2] = {{.fd = pidfd, .events = POLLIN}, {.fd = conn, .events = POLLIN}};
+    nfds_t watched = 2;
+    for (;;) {
+        if (poll(watch, watched, -1) < 0) {
+            if (errno == EINTR)
+                continue;
+            return 1;
+        }
+        if (watch[0].revents) {
+            waitpid(init, NULL, 0);
+            return 0;
+        }
+        if (watched < 2 || !watch[1].revents)
+            continue;
+        char text[16];
+        ssize_t got = recv(conn, text, sizeof text - 1, 0);
+        int count = -1;
+        if (got > 0) {
+            text[got] = '\0';
+            char *end;
+            long asked = strtol(text, &end, 10);
+            if (end != text && asked >= 0)
+                count = asked > NAMESPACES_MAX ? NAMESPACES_MAX : (int)asked;
+        }
+        if (count < 0) { /* the daemon hung up (or a daemon restarted: the next has none) */
+            close(conn);
+            watched = 1;
+            continue;
+        }
+        int made[NAMESPACES_MAX];
+        int n = 0;
+        while (n < count && unshare(CLONE_NEWNET) == 0) {
+            int probe = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+            int ns = probe < 0 ? -1 : ioctl(probe, SIOCGSKNS);
+            if (probe >= 0)
+                close(probe);
+            if (ns < 0)
+                break;
+            made[n++] = ns;
+        }
+        if (setns(home, CLONE_NEWNET) != 0 || send_made(conn, made, n) != 0) {
+            close(conn); /* it makes no more (the daemon plugs children after their hello) */
+            watched = 1;
+        }
+        for (int i = 0; i < n; i++)
+            close(made[i]);
+    }
+}
+
 int main(int argc, char **argv) {
+    if (argc == 5 && strcmp(argv[1], "--launcher") == 0) {
+        int conn = atoi(argv[3]), home = atoi(argv[4]);
+        /* stdio stays (the daemon's log of this sandbox); no other fd but these two */
+        for (int fd = 3; fd < 1024; fd++)
+            if (fd != conn && fd != home)
+                close(fd);
+        return launcher((pid_t)atoi(argv[2]), conn, home);
+    }
     if (argc == 2 && strcmp(argv[1], "--reap") == 0) {
         /* A family's init (agent/launching.py) execs this once it has forked the first
          * REPL: its parent-death signal and its signal dispositions (all default) carry

@@ -27,7 +27,10 @@ image's python3 on the agent (a zygote's launcher) or, already being that
 interpreter with the agent loaded, serves right there (a template's: no
 interpreter start, no imports). The launcher then makes network namespaces
 owned by the family's user namespace on the daemon's request, for fork
-children to join, until the family's init ends.
+children to join, until the family's init ends. Both the launcher and the
+init exec the agent layer's static ``bb-init`` for that long wait (``--launcher``,
+``--reap``; an fd of it comes from the daemon), so an idle family holds no
+Python heap but its REPL's; where it cannot be exec'd, they wait in Python.
 
 Why P must not belong to the family: every REPL of a family is a process of P,
 and sandbox root has every capability of the family's user namespace. Were P
@@ -248,7 +251,15 @@ def _launch(spec: dict) -> None:
         os.close(home)
         os.close(spec["netns_fd"])
         _family_init(spec, status_w)
-    entry.close_fds_except({spec["netns_fd"], home})
+    reaper = spec.get("reaper_fd")
+    entry.close_fds_except({spec["netns_fd"], home, *([reaper] if reaper is not None else [])})
+    if reaper is not None:  # the same loop in bb-init, without this Python heap (~2 MB)
+        with contextlib.suppress(OSError):  # a data directory mounted noexec, say
+            for fd in (spec["netns_fd"], home):
+                os.set_inheritable(fd, True)
+            os.execve(reaper, ["bb-init", "--launcher", str(init_pid), str(spec["netns_fd"]),
+                               str(home)], {})
+        os.close(reaper)
     _make_namespaces_until(init_pid, socket.socket(fileno=spec["netns_fd"]), home)
     os._exit(0)
 
@@ -268,7 +279,7 @@ def _family_init(spec: dict, status_w: int) -> None:
     reaper = spec.get("reaper_fd")
     if reaper is not None:  # bb-init --reap: this init's job without its Python heap
         entry.close_fds_except({reaper})
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # else (noexec, say) it reaps in Python
             os.execve(reaper, ["bb-init", "--reap"], {})  # named bb-family again there
     os.closerange(0, 65536)
     entry.reap_forever()
@@ -375,6 +386,13 @@ def _template(spec: dict) -> None:
                          f"template entry failed: {type(exc).__name__}: {exc}".encode())
             os._exit(1)
     entry.close_fds_except({spec["maps_fd"]})
+    try:  # what writing a map takes in Z (the kernel asks CAP_SYS_ADMIN over the family's
+        # namespace too), nothing else: no kill, ptrace, chown... (it sees the host's pids)
+        sysc.keep_only_capabilities({sysc.CAP_SETUID, sysc.CAP_SETGID, sysc.CAP_DAC_OVERRIDE,
+                                     sysc.CAP_SYS_ADMIN})
+    except OSError:
+        os.kill(pid, signal.SIGKILL)
+        os._exit(1)
     _write_maps_until_hangup(socket.socket(fileno=spec["maps_fd"]))
     os.kill(pid, signal.SIGKILL)  # the template's REPL ends with its writer: its launchers run on
     os.waitpid(pid, 0)

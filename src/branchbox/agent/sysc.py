@@ -65,6 +65,7 @@ PR_SET_NO_NEW_PRIVS = 38
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 PR_SET_DUMPABLE = 4
+PR_CAPBSET_DROP = 24
 
 
 def libc() -> ctypes.CDLL:
@@ -200,6 +201,29 @@ def prctl(option: int, arg2: int = 0, arg3: int = 0) -> None:
         ctypes.c_ulong(0),
     )
     _check(ret, "prctl")
+
+
+CAP_DAC_OVERRIDE, CAP_SETGID, CAP_SETUID, CAP_SYS_ADMIN = 1, 6, 7, 21
+_SYS_CAPSET = 126
+_CAP_V3 = 0x20080522
+_CAP_LAST = 63
+
+
+def keep_only_capabilities(keep: set[int]) -> None:
+    """Drop every capability but ``keep`` from this process's bounding, permitted,
+    effective and inheritable sets, for good (no_new_privs: no exec regains any)."""
+    for cap in range(_CAP_LAST + 1):
+        if cap not in keep:
+            ret = _libc.prctl(ctypes.c_int(PR_CAPBSET_DROP), ctypes.c_ulong(cap), 0, 0, 0)
+            if ret != 0 and ctypes.get_errno() != 22:  # EINVAL: past the kernel's last cap
+                _check(ret, "prctl(PR_CAPBSET_DROP)")
+    mask = sum(1 << cap for cap in keep)
+    header = struct.pack("Ii", _CAP_V3, 0)
+    data = struct.pack("6I", mask & 0xFFFFFFFF, mask & 0xFFFFFFFF, 0,
+                       mask >> 32, mask >> 32, 0)  # effective, permitted, inheritable x2
+    _check(_libc.syscall(_SYS_CAPSET, ctypes.c_char_p(header), ctypes.c_char_p(data)),
+           "capset")
+    prctl(PR_SET_NO_NEW_PRIVS, 1)
 
 
 def set_process_name(name: str) -> None:
