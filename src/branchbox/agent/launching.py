@@ -243,6 +243,7 @@ def _launch(spec: dict) -> None:
         _mapped(spec)
         sysc.unshare(sysc.CLONE_NEWNET)  # home: where it returns after making one
         home = sysc.netns_fd()
+        armed_r, armed_w = os.pipe()
         init_pid = init[0] = os.fork()
     except BaseException as exc:  # noqa: BLE001
         os.write(status_w, f"family set-up failed: {type(exc).__name__}: {exc}".encode())
@@ -250,7 +251,15 @@ def _launch(spec: dict) -> None:
     if init_pid == 0:
         os.close(home)
         os.close(spec["netns_fd"])
-        _family_init(spec, status_w)
+        os.close(armed_r)
+        _family_init(spec, status_w, armed_w)
+    # Until the init has its parent-death signal, this process must not die without
+    # killing it (its SIGTERM handler does; the exec below resets that handler): an init
+    # orphaned first would live on, reaping nothing, for good. Its word (or its end)
+    # comes through the pipe.
+    os.close(armed_w)
+    os.read(armed_r, 1)
+    os.close(armed_r)
     reaper = spec.get("reaper_fd")
     entry.close_fds_except({spec["netns_fd"], home, *([reaper] if reaper is not None else [])})
     if reaper is not None:  # the same loop in bb-init, without this Python heap (~2 MB)
@@ -264,8 +273,10 @@ def _launch(spec: dict) -> None:
     os._exit(0)
 
 
-def _family_init(spec: dict, status_w: int) -> None:
+def _family_init(spec: dict, status_w: int, armed_w: int) -> None:
     sysc.prctl(sysc.PR_SET_PDEATHSIG, signal.SIGKILL)
+    os.write(armed_w, b"k")
+    os.close(armed_w)
     sysc.set_process_name("bb-family")
     # The kernel drops a signal sent to a namespace's init from inside unless the init
     # handles it: Python's own handlers (SIGINT's KeyboardInterrupt) would let any branch
