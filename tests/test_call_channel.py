@@ -23,7 +23,14 @@ from served import ServedDaemon
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from branchbox import AsyncSandbox, InvalidRequest, Sandbox, ServerStopping
+from branchbox import (
+    AsyncSandbox,
+    InvalidRequest,
+    Sandbox,
+    SandboxNotFound,
+    ServerStopping,
+    StaleBranchError,
+)
 from branchbox.server.call_channel import MAX_RUNS
 
 KEY = "channel-test-key"
@@ -68,6 +75,36 @@ def test_runs_and_their_errors_over_one_connection(daemon: ServedDaemon) -> None
         finally:
             for child in children:
                 child.close()
+
+
+def test_merges_checkpoints_and_restores_over_the_connection(daemon: ServedDaemon) -> None:
+    """Every call that answers once goes down the connection too, with the answers and
+    typed errors its HTTP route gives."""
+    with Sandbox(url=daemon.url, api_key=KEY) as sb:
+        sb.run_code("x = 'at the checkpoint'")
+        cp = sb.checkpoint("first")
+        assert (cp.name, [c.id for c in sb.checkpoints()]) == ("first", [cp.id])
+        sb.run_code("x = 'later'")
+        sb.restore(cp)
+        assert sb.run_code("x").text == "'at the checkpoint'"
+        (twin,) = cp.fork(1)
+        (child,) = sb.fork(1)
+        try:
+            assert twin.ip and twin.run_code("x").text == "'at the checkpoint'"
+            with pytest.raises(StaleBranchError):  # forked from before the restore
+                sb.merge_into(twin)
+            child.run_code("x = 'merged'")
+            sb.merge_into(child)
+            assert sb.run_code("x").text == "'merged'"
+            with pytest.raises(SandboxNotFound):
+                sb.restore("cp_" + "0" * 32)
+            with pytest.raises(InvalidRequest, match="checkpoint name"):
+                sb.checkpoint("\n")
+        finally:
+            twin.close()
+            child.close()
+        channel = sb._core._api._channel  # noqa: SLF001 - which connection carried them
+        assert channel._ws is not None and channel._ids >= 12  # noqa: SLF001
 
 
 def test_runs_started_at_once_share_one_connection(daemon: ServedDaemon) -> None:

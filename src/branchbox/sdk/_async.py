@@ -189,8 +189,9 @@ class AsyncSandbox:
 
     async def fork(self, n: int = 1) -> builtins.list[AsyncSandbox]:
         """``n`` copies of this sandbox as it is now: memory, files, env, cwd."""
-        self._url()
-        return self._children(await self._api.answer("fork", self.id, {"n": n}))
+        body = {"n": n}
+        return self._children(await self._api.answer("fork", self.id, body,
+                                                     self._url("/fork"), body))
 
     def _children(self, reply: dict) -> builtins.list[AsyncSandbox]:
         """The new children a fork answered with (``children``, ``addresses``)."""
@@ -213,7 +214,9 @@ class AsyncSandbox:
     async def checkpoint(self, name: str | None = None) -> AsyncCheckpoint:
         """Keep this instant (REPL memory, files, env, cwd), frozen, for ``restore`` and
         ``fork``; it shares memory and files with the sandbox copy-on-write."""
-        info = await self._api.call("POST", self._url("/checkpoints"), json=_given(name=name))
+        body = _given(name=name)
+        info = await self._api.answer("checkpoint", self.id, body, self._url("/checkpoints"),
+                                      body)
         return AsyncCheckpoint(self, info)
 
     async def checkpoints(self) -> builtins.list[AsyncCheckpoint]:
@@ -225,7 +228,8 @@ class AsyncSandbox:
         """Make the sandbox that checkpoint's instant again (same id, same address); the
         checkpoint stays. Branches forked before can no longer be merged into it."""
         cid = checkpoint if isinstance(checkpoint, str) else checkpoint.id
-        await self._api.call("POST", self._url(f"/checkpoints/{cid}/restore"))
+        await self._api.answer("restore", self.id, {"checkpoint": cid},
+                               self._url(f"/checkpoints/{cid}/restore"))
 
     @property
     def ip(self) -> str | None:
@@ -253,7 +257,8 @@ class AsyncSandbox:
 
     async def merge_into(self, winner: AsyncSandbox) -> None:
         """Make this sandbox's id drive ``winner``'s state; ``winner`` is used up."""
-        await self._api.call("POST", self._url(f"/merge_into/{winner.id}"))
+        await self._api.answer("merge_into", self.id, {"winner": winner.id},
+                               self._url(f"/merge_into/{winner.id}"))
         await winner._let_go("merged")
 
     async def diff(self, other: AsyncSandbox | str,

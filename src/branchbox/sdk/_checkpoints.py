@@ -31,7 +31,9 @@ class AsyncCheckpoint:
 
     async def fork(self, n: int = 1) -> builtins.list[AsyncSandbox]:
         """``n`` new sandboxes as the sandbox was at this instant (children of it)."""
-        reply = await self.sandbox._api.call("POST", self._url("/fork"), json={"n": n})
+        reply = await self.sandbox._api.answer(
+            "fork_checkpoint", self.sandbox.id, {"checkpoint": self.id, "n": n},
+            self._url("/fork"), {"n": n})
         return self.sandbox._children(reply)
 
     async def delete(self) -> None:

@@ -99,9 +99,8 @@ class Api:
                     yield json.loads(line)
 
     async def run(self, op: str, sandbox_id: str, body: dict) -> AsyncGenerator[dict, None]:
-        """The lines of a run (``op``: ``run_code``, ``commands`` or ``fork``, with ``body``
-        as POST /v1/sandboxes/{id}/{op} takes it): over the server's calls WebSocket, else
-        HTTP (where a fork's JSON answer is its one line)."""
+        """The lines of a run (``op``: ``run_code`` or ``commands``, with ``body`` as POST
+        /v1/sandboxes/{id}/{op} takes it): over the server's calls WebSocket, else HTTP."""
         if self._channel is not None:
             async with aclosing(self._channel.lines(op, sandbox_id, body)) as lines:
                 try:
@@ -118,14 +117,24 @@ class Api:
             async for line in lines:
                 yield line
 
-    async def answer(self, op: str, sandbox_id: str, body: dict) -> dict:
-        """The one-line answer of ``op`` (a fork's), as :meth:`run` carries it."""
-        async with aclosing(self.run(op, sandbox_id, body)) as lines:
-            async for line in lines:
-                if line.get("type") == "error":
-                    raise error_from_line(line)
-                return {key: value for key, value in line.items() if key != "type"}
-        raise error_from_reply(502, f"the server sent no answer to {op}")
+    async def answer(self, op: str, sandbox_id: str, body: dict, route: str,
+                     route_body: dict | None = None) -> dict:
+        """The answer of a call that answers once (a fork, merge, checkpoint or restore:
+        ``server.call_channel``'s ops) over the calls WebSocket, ~2 ms sooner than HTTP;
+        where there is none, the JSON reply of POST ``route`` with ``route_body`` (the
+        route carries in its path what ``body`` names: a checkpoint, a winner)."""
+        if self._channel is not None:
+            async with aclosing(self._channel.lines(op, sandbox_id, body)) as lines:
+                try:
+                    async for line in lines:
+                        if line.get("type") == "error":
+                            raise error_from_line(line)
+                        return {key: value for key, value in line.items() if key != "type"}
+                except Unavailable:  # nothing was sent
+                    pass
+                else:
+                    raise error_from_reply(502, f"the server sent no answer to {op}")
+        return await self.call("POST", route, json=route_body) or {}
 
     def _unreachable(self, exc: httpx.TransportError) -> SandboxError:
         return SandboxError(f"lost or could not reach the branchbox server at {self.config.url} "

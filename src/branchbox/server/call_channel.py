@@ -1,23 +1,30 @@
-"""Runs over one WebSocket: the SDK's way to run code and commands, and to fork.
+"""Runs over one WebSocket: the SDK's way to run code and commands, to fork, merge,
+checkpoint and restore.
 
 An HTTP request costs this server ~0.9 ms of its event loop (routing, four middlewares,
 dependencies, a response) and httpx's client ~1.4 ms; a message on an open WebSocket
 costs each side tens of microseconds. So the SDK sends every ``run_code``, foreground
-command and fork of its sandboxes down one connection to ``/v1/calls`` (and falls
-back to HTTP where it cannot open one), many at once. A run here is the very run of
-``POST .../run_code``, ``.../commands`` or ``.../fork``: the same validation, engine
-call, lines and replay log.
+command, fork, merge, checkpoint and restore of its sandboxes down one connection to
+``/v1/calls`` (and falls back to HTTP where it cannot open one), many at once. A run
+here is the very call of its HTTP route (``POST .../run_code``, ``.../commands``,
+``.../fork``, ``.../merge_into/{winner}``, ``.../checkpoints``,
+``.../checkpoints/{cp}/restore``, ``.../checkpoints/{cp}/fork``): the same
+validation, engine call, lines and replay log; what the route has in its path after
+the sandbox's id, the body names (``winner``, ``checkpoint``).
 
 Client to server, one JSON object per text message::
 
-    {"id": N, "op": "run_code" | "commands" | "fork", "sandbox": ID, "body": {...}}
+    {"id": N, "op": "run_code" | "commands" | "fork" | "merge_into" | "checkpoint"
+                    | "restore" | "fork_checkpoint", "sandbox": ID, "body": {...}}
     {"cancel": N}        the client gave up on run N
 
 Server to client: ``{"id": N, "line": {...}}`` for each line of run N, in order; its
 last line is its ``result`` (``exit``) or an ``error`` line (``{"type": "error",
-"error", "kind", "status"}``, as an NDJSON stream ends after a failure); a fork's
-one line is its ``result``, the children and their addresses. Runs on one
-connection go on at once (each sandbox still runs its calls one at a time).
+"error", "kind", "status"}``, as an NDJSON stream ends after a failure); every op but
+a run of code or a command answers with one line, its ``result``: what its route's
+JSON reply holds (a fork's children and their addresses, a checkpoint's info; nothing
+more for a merge or a restore). Runs on one connection go on at once (each sandbox
+still runs its calls one at a time).
 
 A cancelled run, and every run of a connection that closes, is abandoned as an HTTP
 call whose client hung up is (``engine.run_guard``): interrupted if it runs, never run
@@ -44,8 +51,17 @@ from branchbox.engine.run_guard import CALLER_GONE
 from branchbox.server.deps import ws_key_ok
 from branchbox.server.errors import describe, validation_message
 from branchbox.server.execution import code_run, command_run
-from branchbox.server.models import Fork, RunCode, RunCommand
-from branchbox.server.sandboxes import forked
+from branchbox.server.instants import checkpoint_forked, checkpointed, restored
+from branchbox.server.models import (
+    CreateCheckpoint,
+    Fork,
+    ForkCheckpoint,
+    MergeInto,
+    Restore,
+    RunCode,
+    RunCommand,
+)
+from branchbox.server.sandboxes import forked, merged
 from branchbox.server.streams import Event, error_line
 
 log = logging.getLogger("branchbox.server")
@@ -63,17 +79,31 @@ async def _lines(events: AsyncIterator[Event],
         await events.aclose()  # type: ignore[attr-defined]
 
 
-async def _fork(state: State, sandbox_id: str, body: Fork) -> AsyncIterator[dict]:
-    yield {"type": "result", **await forked(state.engine, sandbox_id, body.n)}
+def _answer(call: Callable[[State, str, Any], Awaitable[dict]]
+            ) -> Callable[[State, str, Any], AsyncIterator[dict]]:
+    """The lines of a call that answers once: its answer as a ``result`` line."""
+    async def lines(state: State, sandbox_id: str, body: Any) -> AsyncIterator[dict]:
+        yield {"type": "result", **await call(state, sandbox_id, body)}
+    return lines
 
 
-# op -> (its body's model, its lines): what POST /v1/sandboxes/{id}/{op} answers.
+# op -> (its body's model, its lines): what the HTTP route of the same call answers
+# (POST /v1/sandboxes/{id}/{op} for runs and forks; the others carry in their path what
+# their body names here: a checkpoint, a winner).
 _RUNS: dict[str, tuple[type, Callable[[State, str, Any], AsyncIterator[dict]]]] = {
     "run_code": (RunCode, lambda state, sid, body: _lines(
         *code_run(state.engine, state.events, sid, body))),
     "commands": (RunCommand, lambda state, sid, body: _lines(
         *command_run(state.engine, state.events, sid, body))),
-    "fork": (Fork, _fork),
+    "fork": (Fork, _answer(lambda state, sid, body: forked(state.engine, sid, body.n))),
+    "merge_into": (MergeInto, _answer(lambda state, sid, body: merged(
+        state.engine, state.events, sid, body.winner))),
+    "checkpoint": (CreateCheckpoint, _answer(lambda state, sid, body: checkpointed(
+        state.engine, sid, body.name))),
+    "restore": (Restore, _answer(lambda state, sid, body: restored(
+        state.engine, sid, body.checkpoint))),
+    "fork_checkpoint": (ForkCheckpoint, _answer(lambda state, sid, body: checkpoint_forked(
+        state.engine, sid, body.checkpoint, body.n))),
 }
 
 
@@ -153,8 +183,8 @@ def _request(message: str) -> dict:
     if set(request) != {"id", "op", "sandbox", "body"} or not _is_id(request["id"]) \
             or request["op"] not in _RUNS or not isinstance(request["sandbox"], str) \
             or not isinstance(request["body"], dict):
-        raise BadMessage('a run is {"id": <int>, "op": "run_code"|"commands"|"fork", '
-                         '"sandbox": <id>, "body": {...}}')
+        raise BadMessage('a run is {"id": <int>, "op": "' + '"|"'.join(_RUNS)
+                         + '", "sandbox": <id>, "body": {...}}')
     return request
 
 

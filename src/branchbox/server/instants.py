@@ -11,8 +11,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body
 
+from branchbox.engine.sandboxes import Engine
 from branchbox.server.deps import NO_CONTENT, EngineDep
 from branchbox.server.models import CreateCheckpoint, Fork
+from branchbox.server.sandboxes import children_answer
 
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}", tags=["instants"])
 
@@ -41,7 +43,23 @@ async def create_checkpoint(sandbox_id: str, engine: EngineDep,
                             body: Annotated[CreateCheckpoint,
                                             Body(default_factory=CreateCheckpoint)]) -> dict:
     """Keep this instant of the sandbox (memory and files), frozen."""
-    return (await engine.checkpoint(sandbox_id, body.name)).info()
+    return await checkpointed(engine, sandbox_id, body.name)
+
+
+# The answers of the calls below, over HTTP here and over the calls WebSocket
+# (``call_channel``), where the SDK sends them.
+async def checkpointed(engine: Engine, sandbox_id: str, name: str | None) -> dict:
+    return (await engine.checkpoint(sandbox_id, name)).info()
+
+
+async def restored(engine: Engine, sandbox_id: str, checkpoint_id: str) -> dict:
+    await engine.restore(sandbox_id, checkpoint_id)
+    return {}
+
+
+async def checkpoint_forked(engine: Engine, sandbox_id: str, checkpoint_id: str,
+                            n: int) -> dict:
+    return children_answer(engine, await engine.fork_checkpoint(sandbox_id, checkpoint_id, n))
 
 
 @router.get("/checkpoints")
@@ -52,16 +70,14 @@ async def list_checkpoints(sandbox_id: str, engine: EngineDep) -> dict:
 @router.post("/checkpoints/{checkpoint_id}/restore", **NO_CONTENT)
 async def restore(sandbox_id: str, checkpoint_id: str, engine: EngineDep) -> None:
     """The sandbox becomes the checkpoint's instant again (same id, same address)."""
-    await engine.restore(sandbox_id, checkpoint_id)
+    await restored(engine, sandbox_id, checkpoint_id)
 
 
 @router.post("/checkpoints/{checkpoint_id}/fork")
 async def fork_checkpoint(sandbox_id: str, checkpoint_id: str, engine: EngineDep,
                           body: Annotated[Fork, Body(default_factory=Fork)]) -> dict:
     """``n`` new sandboxes from the checkpoint's instant, children of the sandbox."""
-    children = await engine.fork_checkpoint(sandbox_id, checkpoint_id, body.n)
-    return {"children": [child.id for child in children],
-            "addresses": {child.id: engine.net.address(child.body.key) for child in children}}
+    return await checkpoint_forked(engine, sandbox_id, checkpoint_id, body.n)
 
 
 @router.delete("/checkpoints/{checkpoint_id}", **NO_CONTENT)

@@ -160,6 +160,21 @@ class CreateCheckpoint(_Body):
     name: str | None = None  # a label; the engine checks its length
 
 
+# The bodies of calls that HTTP carries in their path, as the calls WebSocket takes them
+# (server.call_channel): there a call names one sandbox and carries a body.
+class Restore(_Body):
+    checkpoint: str
+
+
+class ForkCheckpoint(_Body):
+    checkpoint: str
+    n: int = 1
+
+
+class MergeInto(_Body):
+    winner: str
+
+
 class Diff(_Body):
     other: str
     paths: list[SandboxPath] | None = None

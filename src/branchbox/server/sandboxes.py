@@ -6,9 +6,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body
 
+from branchbox.engine.live import Live
 from branchbox.engine.sandboxes import Engine
 from branchbox.server.deps import NO_CONTENT, EngineDep, EventsDep
 from branchbox.server.models import CreateSandbox, Diff, Fork, UpdateNetwork
+from branchbox.server.replay import EventLog
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
 
@@ -49,11 +51,16 @@ async def close_sandbox(sandbox_id: str, engine: EngineDep, events: EventsDep) -
     events.forget(sandbox_id)
 
 
-async def forked(engine: Engine, sandbox_id: str, n: int) -> dict:
-    """A fork's answer, over HTTP here and over the calls WebSocket (``call_channel``)."""
-    children = await engine.fork(sandbox_id, n)
+def children_answer(engine: Engine, children: list[Live]) -> dict:
+    """What a fork (of a sandbox or of a checkpoint) answers: the children's ids and their
+    addresses."""
     return {"children": [child.id for child in children],
             "addresses": {child.id: engine.net.address(child.body.key) for child in children}}
+
+
+async def forked(engine: Engine, sandbox_id: str, n: int) -> dict:
+    """A fork's answer, over HTTP here and over the calls WebSocket (``call_channel``)."""
+    return children_answer(engine, await engine.fork(sandbox_id, n))
 
 
 @router.post("/{sandbox_id}/fork")
@@ -75,8 +82,14 @@ async def update_network(sandbox_id: str, body: UpdateNetwork, engine: EngineDep
 async def merge_into(sandbox_id: str, winner_id: str, engine: EngineDep,
                      events: EventsDep) -> None:
     """The sandbox's id takes over the winner's state; the winner's id is retired."""
+    await merged(engine, events, sandbox_id, winner_id)
+
+
+async def merged(engine: Engine, events: EventLog, sandbox_id: str, winner_id: str) -> dict:
+    """A merge, over HTTP here and over the calls WebSocket; it answers nothing."""
     await engine.merge_into(sandbox_id, winner_id)
     events.forget(winner_id)
+    return {}
 
 
 @router.post("/{sandbox_id}/diff")
