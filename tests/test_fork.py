@@ -234,6 +234,22 @@ def test_children_take_cgroups_made_ahead(sandbox, harness) -> None:
             child.close()
 
 
+def test_a_body_dies_at_the_least_cpu_weight(sandbox, harness) -> None:
+    """A body being killed (closed, or replaced by a merge or a restore) frees its memory
+    as it exits, with the least CPU weight: live sandboxes go first."""
+    (child,) = sandbox.fork(1)
+    cgroup = harness.engine.get(child.id).body.cgroup
+    shares = ("cpu.weight", "1") if cgroup.version == 2 else ("cpu.shares", "2")
+    assert cgroup._file("cpu", shares[0]).read_text().strip() != shares[1]
+    assert cgroup.pids()
+    cgroup.kill()
+    assert cgroup.pids() == []
+    assert cgroup._file("cpu", shares[0]).read_text().strip() == shares[1]
+    with pytest.raises(SandboxError):
+        child.run_code("1")
+    child.close()
+
+
 def _memory_limit(cgroup: cgroups.SandboxCgroup) -> str:
     name = "memory.max" if cgroup.version == 2 else "memory.limit_in_bytes"
     return cgroup._file("memory", name).read_text()
