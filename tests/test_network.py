@@ -285,6 +285,51 @@ def test_merge_keeps_the_parents_address(make: Callable[..., Sandbox]) -> None:
     assert own_address(sb) == before
 
 
+def test_restore_keeps_the_address_and_answers_at_once(harness: Harness,
+                                                      make: Callable[..., Sandbox],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restored body (in a namespace made ahead for the family) takes the sandbox's
+    address inside while it sets up; once the restore returns, the host no longer holds
+    the old body's MAC for that address, so a connection reaches the restored body at
+    once (a stale neighbour entry would lose it until the entry times out)."""
+    net = harness.engine.net
+    ahead: list[str] = []
+    real = net.address_ahead
+    monkeypatch.setattr(net, "address_ahead",
+                        lambda key, *args: (ahead.append(key), real(key, *args))[1])
+    sb = make()
+    ip = sb.ip
+    sb.run_code("import socket; srv = socket.create_server(('0.0.0.0', 8000))")
+    cp = sb.checkpoint()
+    (child,) = sb.fork(n=1)  # from now on the family makes namespaces ahead
+    child.close()
+    family = harness.engine.get(sb.id).family.family.ident
+    deadline = time.monotonic() + 10
+    while not net.made.get(family):
+        assert time.monotonic() < deadline, "no namespaces were made ahead after a fork"
+        time.sleep(0.05)
+    with socket.create_connection((ip, 8000), timeout=10):  # the host learns its MAC
+        pass
+    old_mac = net.ports[harness.engine.get(sb.id).body.key].mac
+    assert _neighbour_macs(ip) == {old_mac}
+    sb.restore(cp)
+    body = harness.engine.get(sb.id).body
+    assert ahead == [body.key] and net.ports[body.key].address == ip == sb.ip
+    assert old_mac not in _neighbour_macs(ip)
+    with socket.create_connection((ip, 8000), timeout=10) as conn:
+        assert _accept_and_greet(sb, "restored") is not None
+        assert conn.recv(100) == b"restored"
+    assert own_address(sb) == ip
+    assert not net._ahead  # noqa: SLF001 - nothing left behind
+
+
+def _neighbour_macs(address: str) -> set[str]:
+    """The MACs the host's neighbour table holds for ``address`` (reachable or not)."""
+    with IPRoute() as ipr:
+        return {entry.get_attr("NDA_LLADDR") for entry in ipr.get_neighbours(dst=address)
+                if entry.get_attr("NDA_LLADDR")}
+
+
 def test_egress_on_reaches_the_outside(outside: Outside,
                                        make: Callable[..., Sandbox]) -> None:
     sb = make(internet=True)

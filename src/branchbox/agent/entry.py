@@ -29,7 +29,9 @@ order matters:
    root is detached, because inside a user namespace the kernel refuses a
    proc mount unless another proc mount is fully visible — and then starts
    every command of the sandbox in Q on the REPL's request;
-7. a minimal /dev (tmpfs + binds of the harmless character devices, devpts);
+7. a minimal /dev (tmpfs + binds of the harmless character devices, devpts),
+   made while bb-init starts (it mounts only /proc, and opens the current root's
+   /dev/null, not this one): then wait for bb-init's word that /proc is mounted;
 8. pivot_root into the tree and detach the old root.
 """
 
@@ -229,12 +231,17 @@ def enter_sandbox(
         for fd in handed:
             os.close(fd)
         theirs.detach()
-    answer = os.read(ready_r, 4096)
-    os.close(ready_r)
+    try:
+        _mount_dev(attach)  # 7
+        answer = os.read(ready_r, 4096)
+    except BaseException:
+        spawner.close()
+        raise
+    finally:
+        os.close(ready_r)
     if answer != b"\0":
         spawner.close()
         raise OSError(answer.decode(errors="replace") or "bb-init died before mounting /proc")
-    _mount_dev(attach)  # 7
     sysc.pivot_root(attach, attach + OLD_ROOT)  # 8
     os.chdir("/")
     sysc.umount2(OLD_ROOT, sysc.MNT_DETACH)

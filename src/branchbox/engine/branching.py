@@ -98,7 +98,8 @@ class Branching:
                            hostname: str | None = None) -> list[tuple[str, Body]]:
         """``n`` new bodies forked from a checkpoint's process (its body's channel), over
         its frozen layers, under ``owner``'s network policy; not adopted. A body that
-        will serve an existing id (a restore) is named ``hostname`` at once."""
+        will serve an existing id (a restore: ``owner``'s) is named ``hostname`` at once,
+        and takes its address inside while it sets up (``SandboxNetwork.address_ahead``)."""
         stack = checkpoint.layers
         slots = _WakeSlots(checkpoint.channel)
         return await self._within_deadline(self._make_bodies(
@@ -195,6 +196,8 @@ class Branching:
                 took = time.perf_counter_ns()
                 netns = self.net.take_made(body.key, family.ident) if family else None
                 took = time.perf_counter_ns() - took
+                if hostname is not None and netns is not None:  # it will take owner's id
+                    self.net.address_ahead(body.key, netns, owner.body.key)
                 answer, hello, entered = await self._send_slot(slots, hostname or sid, body,
                                                                netns)
                 checked = _checked(hello, body, entered, forker)

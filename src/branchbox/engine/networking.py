@@ -106,6 +106,8 @@ class SandboxNetwork:
         self._made_want: dict[tuple[int, int], int] = {}
         self._making: dict[tuple[int, int], asyncio.Task] = {}
         self._recent_forks: collections.deque[int] = collections.deque(maxlen=RECENT_FORKS)
+        # body key -> (the address its namespace took ahead, that readdressing): restores
+        self._ahead: dict[str, tuple[str, asyncio.Task]] = {}
 
     async def start(self, keep: set[str] = frozenset()) -> None:
         """Build the bridge and firewall. ``keep``: bodies of an earlier daemon that this
@@ -305,6 +307,7 @@ class SandboxNetwork:
         delete through the helper waits ~20 ms for RCU grace periods, on every close,
         and holds up the forks queued behind it). The address is leased again only once
         the link is gone (``_reap``): the port's MAC is derived from it."""
+        self._ahead.pop(body_key, None)
         port = self.ports.pop(body_key, None)
         if port is not None:
             self._let_go([port])
@@ -357,6 +360,21 @@ class SandboxNetwork:
         made = ready.pop()
         self._bind(body_key, made.port)
         return made.netns
+
+    def address_ahead(self, body_key: str, netns: int, owner_key: str) -> None:
+        """A restore: inside the namespace made ahead for ``body_key`` (``netns``, not
+        consumed), ``eth0`` takes the address of ``owner_key``'s body now, while the
+        child sets up, instead of after its hello; :meth:`hand_over` then moves only the
+        firewall and the host's neighbour. Nothing leaves the namespace with that address
+        meanwhile: the firewall holds each port to its own lease, ARP included."""
+        old, new = self.ports.get(owner_key), self.ports.get(body_key)
+        if old is None or new is None:
+            return
+        readdressing = asyncio.ensure_future(self.net.readdress(
+            os.dup(netns), new.address, old.address, forget=False))
+        # Seen here if nobody awaits it (the restore failed first): hand_over falls back.
+        readdressing.add_done_callback(lambda task: task.cancelled() or task.exception())
+        self._ahead[body_key] = (old.address, readdressing)
 
     def new_family(self, family: Family) -> None:
         """A family starts: namespaces for its first fork, as many as the daemon's recent
@@ -462,6 +480,7 @@ class SandboxNetwork:
                         repl_host: int | None = None) -> None:
         """A merge: the winner's body takes the parent's address (the id keeps it); the
         parent's old body loses its port at once."""
+        ahead = self._ahead.pop(winner_key, None)
         old, won = self.ports.pop(parent_key, None), self.ports.get(winner_key)
         if old is None or won is None:
             return
@@ -480,6 +499,13 @@ class SandboxNetwork:
                         (winner_key, won.name, won.address))
         if policy is not None:
             self.apply([winner_key], policy)
+        if ahead is not None and ahead[0] == won.address:
+            try:
+                await ahead[1]
+                await self.net.forget(won.address)
+                return
+            except NetworkError as exc:
+                log.warning("restore: readdressing ahead failed, again now: %s", exc)
         fd = None
         # The REPL's namespace (a process it started may have made one of its own).
         for pid in [repl_host] if repl_host else cgroup.leaf_pids("repl"):

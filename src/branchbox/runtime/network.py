@@ -394,13 +394,21 @@ class Network:
                 "veth": wire.veth.data.hex(), "inside": wire.inside.data.hex(),
                 "ok": wire.inside.ok}
 
-    async def readdress(self, netns_fd: int, old: str, new: str) -> None:
+    async def readdress(self, netns_fd: int, old: str, new: str, *,
+                        forget: bool = True) -> None:
+        """Inside the namespace ``netns_fd`` (consumed), ``eth0`` drops ``old`` for ``new``;
+        the host then forgets which MAC held ``new`` unless ``forget`` is false (the
+        caller calls :meth:`forget` once the port that holds it changed)."""
         try:
             await self.helper.call("readdr", [netns_fd], old=old, new=new,
                                    prefix=self.subnet.prefixlen, gateway=self.gateway,
-                                   bridge=self.bridge_index)
+                                   bridge=self.bridge_index, forget=forget)
         finally:
             os.close(netns_fd)
+
+    async def forget(self, address: str) -> None:
+        """The host forgets which MAC held ``address`` on the bridge (it moved)."""
+        await self.helper.call("forget", address=address, bridge=self.bridge_index)
 
     async def unplug(self, ports: list[str]) -> None:
         if ports:
