@@ -502,9 +502,9 @@ class SandboxNetwork:
         if ahead is not None and ahead[0] == won.address:
             try:
                 await ahead[1]
-                await self.net.forget(won.address)
+                self.net.forget(won.address)
                 return
-            except NetworkError as exc:
+            except (NetworkError, OSError) as exc:
                 log.warning("restore: readdressing ahead failed, again now: %s", exc)
         fd = None
         # The REPL's namespace (a process it started may have made one of its own).

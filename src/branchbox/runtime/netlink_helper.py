@@ -191,20 +191,15 @@ class Helper:
         """Inside ``fds[0]``: ``eth0`` drops ``old`` and takes ``new`` (a merged winner
         takes its parent's address); the default route goes with the address. Then the
         host forgets which MAC held ``new`` on the bridge (it moved): one round trip.
-        With ``forget`` false the caller forgets later (``op_forget``), once the firewall
-        lets the new holder speak (a restore readdresses ahead)."""
+        With ``forget`` false the daemon forgets later (``Network.forget``), once the
+        firewall lets the new holder speak (a restore readdresses ahead)."""
         with self.inside(fds[0]) as nl:
             index = socket.if_nametoindex("eth0")
             nl.send(msgs.address(index, req["old"], req["prefix"], delete=True, ok=(99,))
                     + msgs.address(index, req["new"], req["prefix"], ok=(17,))
                     + msgs.default_route(index, req["gateway"], ok=(17,)))
         if req.get("forget", True):
-            self.op_forget({"bridge": req["bridge"], "address": req["new"]}, [])
-        return {}
-
-    def op_forget(self, req: dict, fds: list[int]) -> dict:
-        """The host forgets which MAC held ``address`` on the bridge (it moved)."""
-        self.host.send(msgs.forget_neighbour(req["bridge"], req["address"]))
+            self.host.send(msgs.forget_neighbour(req["bridge"], req["new"]))
         return {}
 
     def op_unplug(self, req: dict, fds: list[int]) -> dict:
