@@ -18,8 +18,9 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import socket
 
-from . import forking, private_memory
+from . import forking, private_memory, protocol
 from .server import RequestError
 
 _LIBRARY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -82,13 +83,22 @@ def handle_checkpoint(agent, req: dict, payload: bytes, fds: list[int]) -> None:
 
 
 def _wake(agent, batch, message: bytes, fds: list[int]) -> None:
-    """Become the sandbox the wake's slot describes; a slot that does not parse ends this
-    process (its control socket closes, which the daemon reads as a failed child). The
-    checkpoint's socket is closed already (bb_dormant.c)."""
-    try:
-        slot = forking.slot_from(json.loads(message), fds)
-    except ValueError:
-        slot = None
+    """Become the sandbox whose slot comes on the control socket the wake carried (fds
+    = [it]): the daemon wakes the checkpoint before it makes the sandbox's body, so this
+    process is forked and back in Python meanwhile, and sends the rest of the slot
+    (its fork slot without the control socket) once the body is made. A wake or slot
+    that does not parse, or the socket's end, ends this process (the daemon reads its
+    control socket closing as a failed child). The checkpoint's socket is closed
+    already (bb_dormant.c)."""
+    slot = None
+    if len(fds) == 1:
+        ctrl = socket.socket(fileno=fds[0])
+        try:
+            if json.loads(message) == {"early": True}:
+                header, _, rest = protocol.recv(ctrl)
+                slot = forking.slot_from(header, [*rest[:1], ctrl.detach(), *rest[1:]])
+        except (OSError, ValueError, protocol.ChannelClosed):
+            slot = None
     if slot is None:
         os._exit(70)
     forking.become_child(agent, slot, batch)
