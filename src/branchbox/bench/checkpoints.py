@@ -3,10 +3,12 @@ checkpoint adds to the family's memory.
 
 Targets (issue 13): checkpoint and restore p50 ≤ 10 ms for a parent holding 1 GiB,
 family PSS growth ≤ 1 MiB per checkpoint. A checkpoint is a fork of the REPL that
-runs nothing (engine.checkpoints), so its own memory is little more than its page
-tables: the row charged to its cgroup. The family grows by more, because every page
-the parent writes after a checkpoint is copied (copy-on-write keeps the checkpoint's
-instant): here, the pages one ``run_code`` and one checkpoint call of the parent touch.
+runs nothing (engine.checkpoints), so its own pages are few: the row charged to its
+cgroup. Its page tables are a copy of the REPL's, made by the fork before the process
+joins its own cgroup (so charged to the sandbox's): their own row, since PSS leaves
+kernel memory out. The family grows by more, because every page the parent writes
+after a checkpoint is copied (copy-on-write keeps the checkpoint's instant): here, the
+pages one ``run_code`` and one checkpoint call of the parent touch.
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ from __future__ import annotations
 import time
 
 from branchbox.bench.floor import ballast_code
-from branchbox.bench.measure import Context, Row, rollup_mib, sandbox_pss_mib
+from branchbox.bench.measure import (
+    Context,
+    Row,
+    page_tables_mib,
+    rollup_mib,
+    sandbox_pss_mib,
+)
 
 TITLE = "checkpoints"
 
@@ -37,6 +45,7 @@ def run(ctx: Context) -> list[Row]:
         held = [cp.resources.get("host_pids") or [] for cp in listed]
         charged = [(cp.resources.get("memory_bytes") or 0) / 2**20 for cp in listed]
         family = sandbox_pss_mib(parent) + sum(rollup_mib(pids, ("Pss",)) for pids in held)
+        tables = [page_tables_mib(pids) for pids in held]
         growth = (family - alone) / rounds
         ctx.step(f"{rounds} restores")
         back = []
@@ -54,5 +63,7 @@ def run(ctx: Context) -> list[Row]:
         Row(f"family PSS growth per checkpoint, {label}", [growth], "MiB",
             note=f"(parent + {rounds} checkpoints − parent alone) / {rounds}; target ≤ 1 MiB"),
         Row(f"memory charged to a checkpoint's cgroup, {label}", charged, "MiB",
-            note="its own pages and page tables; pages the parent copied are the parent's"),
+            note="its own pages; pages the parent copied are the parent's"),
+        Row(f"page tables of a checkpoint's process, {label}", tables, "MiB",
+            note="a copy of the REPL's, charged to the sandbox's cgroup; not in PSS"),
     ]

@@ -7,10 +7,12 @@ place, and so the JSON keeps everything a later comparison might want.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from rich.progress import Progress, TaskID
@@ -78,6 +80,19 @@ def timed(
 def rollup_mib(pids: Iterable[int], fields: tuple[str, ...]) -> float:
     """The sum of ``fields`` of /proc/PID/smaps_rollup over these host processes, in MiB."""
     return smaps.rollup_kib(pids, fields) / 1024
+
+
+def page_tables_mib(pids: Iterable[int]) -> float:
+    """The page tables of these host processes (``VmPTE`` of /proc/PID/status), in MiB:
+    kernel memory that PSS leaves out; a process that exited since it was listed counts
+    0."""
+    kib = 0
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError):
+            for line in Path(f"/proc/{int(pid)}/status").read_text().splitlines():
+                if line.startswith("VmPTE:"):
+                    kib += int(line.split()[1])
+    return kib / 1024
 
 
 def sandbox_pss_mib(sandbox: Sandbox) -> float:
