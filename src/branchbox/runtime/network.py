@@ -415,6 +415,8 @@ class Network:
         the send (~30 µs), where a helper round trip takes 0.6-1.4 ms."""
         if self._host_netlink is None:
             self._host_netlink = Netlink()
+            # The ack is queued within the send; a missing one must not hang the loop.
+            self._host_netlink.sock.settimeout(1.0)
         self._host_netlink.send(msgs.forget_neighbour(self.bridge_index, address))
 
     async def unplug(self, ports: list[str]) -> None:
