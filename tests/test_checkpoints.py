@@ -76,6 +76,32 @@ def test_restore_round_trips_memory_files_env_and_cwd(harness, make) -> None:
     assert [c.id for c in sb.checkpoints()] == [cp.id]
 
 
+def test_a_restore_failing_after_its_wake_leaves_the_sandbox_and_nothing_else(
+        harness, make, monkeypatch) -> None:
+    """The checkpoint is woken before the restored body is made. When making the body
+    fails, the restore fails saying so, the sandbox is as it was, the woken copy ends
+    (its control socket closes before its slot came), and a later restore works."""
+    sb = make()
+    sb.run_code("x = 'at the checkpoint'")
+    cp = sb.checkpoint()
+    sb.run_code("x = 'now'")
+    engine = harness.engine
+    cp_cgroup = engine._checkpoints[cp.id].body.cgroup
+    real = engine._prepare_child
+
+    def failing(*args, **kwargs):
+        raise OSError(28, "No space left on device (injected)")
+
+    monkeypatch.setattr(engine, "_prepare_child", failing)
+    with pytest.raises(Exception, match="injected"):
+        sb.restore(cp)
+    monkeypatch.setattr(engine, "_prepare_child", real)
+    assert sb.run_code("x").text == "'now'"
+    waiting(cp_cgroup, engine.live[sb.id].body.cgroup)  # the checkpoint alone again
+    sb.restore(cp)
+    assert sb.run_code("x").text == "'at the checkpoint'"
+
+
 def test_restore_after_fork_and_merge(harness, make) -> None:
     sb = make()
     sb.run_code("x = 'original'")
