@@ -13,6 +13,7 @@ import os
 import shutil
 import stat
 import subprocess
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -266,6 +267,48 @@ def test_btrfs_snapshot_refuses_a_plain_directory(btrfs_store: Store) -> None:
         btrfs.snapshot(vol / "dir", fresh(btrfs_store), readonly=False)
     assert info.value.errno == errno.EINVAL
     btrfs_store.backend.delete(vol)
+
+
+def test_btrfs_calls_let_other_threads_run(btrfs_store: Store,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A snapshot commits a btrfs transaction (milliseconds, more under load). Its ioctl
+    runs without the GIL, so the daemon's event loop and other threads go on meanwhile:
+    Python's fcntl.ioctl holds the GIL for a buffer over 1024 bytes, as btrfs's 4 KiB
+    argument structs are, so a snapshot stopped the whole daemon."""
+    progress = 0
+    stop = threading.Event()
+
+    def spin() -> None:
+        nonlocal progress
+        while not stop.is_set():
+            progress += 1
+
+    during: list[int] = []
+    real = btrfs._libc.ioctl
+
+    def watched(*args):
+        before = progress
+        try:
+            return real(*args)
+        finally:
+            during.append(progress - before)
+
+    monkeypatch.setattr(btrfs._libc, "ioctl", watched)
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        src = fresh(btrfs_store)
+        btrfs.create_subvolume(src)
+        for _ in range(10):
+            snap = fresh(btrfs_store)
+            btrfs.snapshot(src, snap, readonly=True)
+            btrfs.delete_subvolume(snap)
+        btrfs.delete_subvolume(src)
+    finally:
+        stop.set()
+        spinner.join()
+    assert len(during) >= 21  # create, 10 snapshots, 10 deletes (and a flag change)
+    assert max(during) > 0, "no other thread ran while btrfs worked: the GIL was held"
 
 
 def test_btrfs_errors_carry_errno_and_path(btrfs_store: Store, tmp_path: Path) -> None:
