@@ -177,11 +177,14 @@ class SandboxCgroup:
         return [os.open(t / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC) for t in targets]
 
     def pids(self) -> list[int]:
+        """Every process in the sandbox: in each hierarchy's directory and its leaves (a
+        process that is joining is in some hierarchies before it is in all). Read with
+        plain os calls: a kill and a remove read them again and again, in worker threads
+        that share the daemon's GIL."""
         found: set[int] = set()
-        for d in self.dirs:
-            for where in (d, *(d / leaf for leaf in LEAVES)):
-                with contextlib.suppress(FileNotFoundError):
-                    found.update(int(p) for p in (where / "cgroup.procs").read_text().split())
+        for d in map(str, self.dirs):
+            for where in (d, *(f"{d}/{leaf}" for leaf in LEAVES)):
+                found.update(map(int, _read_all(where + "/cgroup.procs").split()))
         return sorted(found)
 
     def leaf_pids(self, leaf: str) -> list[int]:
@@ -394,6 +397,21 @@ def _cgroup_mounted_at(mountpoint: Path, name: str,
                 and name.encode() in fields[sep + 3].split(b",")):
             return True
     return False
+
+
+def _read_all(path: str) -> bytes:
+    """The whole file (b"" if it is gone: a cgroup removed meanwhile)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return b""
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _pidfds(pids: list[int]) -> list[int]:
