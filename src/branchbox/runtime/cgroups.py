@@ -184,7 +184,8 @@ class SandboxCgroup:
         found: set[int] = set()
         for d in map(str, self.dirs):
             for where in (d, *(f"{d}/{leaf}" for leaf in LEAVES)):
-                found.update(map(int, _read_all(where + "/cgroup.procs").split()))
+                with contextlib.suppress(FileNotFoundError):
+                    found.update(map(int, _read_all(where + "/cgroup.procs").split()))
         return sorted(found)
 
     def leaf_pids(self, leaf: str) -> list[int]:
@@ -221,21 +222,20 @@ class SandboxCgroup:
         timeout's and its answer is ignored by :meth:`freeze`.
         """
         deadline = time.monotonic() + FREEZE_TIMEOUT
+        # Plain os calls, as in pids(): kills and forks freeze and thaw all the time.
         if self.version == 2:
-            target = self.dirs[0] / leaf if leaf else self.dirs[0]
-            (target / "cgroup.freeze").write_text("1" if frozen else "0")
-            want = "frozen 1" if frozen else "frozen 0"
-            events = target / "cgroup.events"
-            while want not in events.read_text():
+            target = f"{self.dirs[0]}/{leaf}" if leaf else str(self.dirs[0])
+            _write(target + "/cgroup.freeze", b"1" if frozen else b"0")
+            want = b"frozen 1" if frozen else b"frozen 0"
+            while want not in _read_all(target + "/cgroup.events"):
                 if time.monotonic() >= deadline:
                     return False
                 time.sleep(0.0005)
             return True
-        base = self._file("freezer", "")
-        target = base / leaf if leaf else base
-        state = target / "freezer.state"
-        state.write_text("FROZEN" if frozen else "THAWED")
-        while frozen and state.read_text().strip() != "FROZEN":
+        base = str(self._file("freezer", ""))
+        state = (f"{base}/{leaf}" if leaf else base) + "/freezer.state"
+        _write(state, b"FROZEN" if frozen else b"THAWED")
+        while frozen and _read_all(state).strip() != b"FROZEN":
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.0005)
@@ -400,16 +400,21 @@ def _cgroup_mounted_at(mountpoint: Path, name: str,
 
 
 def _read_all(path: str) -> bytes:
-    """The whole file (b"" if it is gone: a cgroup removed meanwhile)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return b""
+    """The whole file."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         chunks = []
         while chunk := os.read(fd, 65536):
             chunks.append(chunk)
         return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _write(path: str, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, data)
     finally:
         os.close(fd)
 
