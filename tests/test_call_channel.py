@@ -77,6 +77,29 @@ def test_runs_and_their_errors_over_one_connection(daemon: ServedDaemon) -> None
                 child.close()
 
 
+def test_a_close_goes_over_the_connection_once_it_is_open(daemon: ServedDaemon) -> None:
+    """A close goes down the connection when the client has it open (its runs opened it),
+    with the answers of its HTTP route; a client that ran nothing closes over HTTP
+    rather than open a connection for its last call."""
+    async def scenario() -> None:
+        sb = await AsyncSandbox(url=daemon.url, api_key=KEY).start()
+        channel = sb._api._channel  # noqa: SLF001 - which connection carried it
+        assert (await sb.run_code("1 + 1")).text == "2"
+        sent = channel._ids  # noqa: SLF001
+        gone = AsyncSandbox._attached(sb._api.retain(), "sbx_" + "0" * 32, None)  # noqa: SLF001
+        await gone.close()  # not found: closed already, as over HTTP
+        await sb.close()
+        assert channel._ids == sent + 2  # noqa: SLF001
+        with pytest.raises(SandboxNotFound):
+            await AsyncSandbox.connect(sb.id, url=daemon.url, api_key=KEY)
+        idle = await AsyncSandbox(url=daemon.url, api_key=KEY).start()
+        await idle.close()
+        assert idle._api._channel._ws is None  # noqa: SLF001 - never opened
+        with pytest.raises(SandboxNotFound):
+            await AsyncSandbox.connect(idle.id, url=daemon.url, api_key=KEY)
+    asyncio.run(scenario())
+
+
 def test_merges_checkpoints_and_restores_over_the_connection(daemon: ServedDaemon) -> None:
     """Every call that answers once goes down the connection too, with the answers and
     typed errors its HTTP route gives."""

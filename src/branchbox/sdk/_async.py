@@ -327,7 +327,8 @@ class AsyncSandbox:
         """Destroy the sandbox. Idempotent; a no-op for one merged into its parent."""
         if self._state == "open":
             with contextlib.suppress(SandboxNotFound):  # expired or closed elsewhere: done
-                await self._api.call("DELETE", self._url())
+                await self._api.answer("close", self.id, {}, self._url(), method="DELETE",
+                                       open_only=True)
         await self._let_go("closed")
 
     async def detach(self) -> None:

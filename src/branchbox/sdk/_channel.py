@@ -148,6 +148,16 @@ class CallChannel:
         for lines in list(self._runs.values()):
             lines.put_nowait(ending)
 
+    def is_open(self) -> bool:
+        """Whether a connection of this process and loop is open now (a call sent now
+        opens none)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        return (self._ws is not None and self._ws.state.name == "OPEN"
+                and self._loop is loop and self._pid == os.getpid())
+
     async def close(self) -> None:
         ws, self._ws = self._ws, None
         current = asyncio.get_running_loop()

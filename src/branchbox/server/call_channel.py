@@ -1,21 +1,22 @@
-"""Runs over one WebSocket: the SDK's way to run code and commands, to fork, merge,
-checkpoint and restore.
+"""Runs over one WebSocket: the SDK's way to run code and commands, fork, merge,
+checkpoint, restore and close.
 
 An HTTP request costs this server ~0.9 ms of its event loop (routing, four middlewares,
 dependencies, a response) and httpx's client ~1.4 ms; a message on an open WebSocket
 costs each side tens of microseconds. So the SDK sends every ``run_code``, foreground
 command, fork, merge, checkpoint and restore of its sandboxes down one connection to
-``/v1/calls`` (and falls back to HTTP where it cannot open one), many at once. A run
-here is the very call of its HTTP route (``POST .../run_code``, ``.../commands``,
-``.../fork``, ``.../merge_into/{winner}``, ``.../checkpoints``,
-``.../checkpoints/{cp}/restore``, ``.../checkpoints/{cp}/fork``): the same
-validation, engine call, lines and replay log; what the route has in its path after
-the sandbox's id, the body names (``winner``, ``checkpoint``).
+``/v1/calls`` (and falls back to HTTP where it cannot open one), many at once, and a
+close too once that connection is open. A run here is the very call of its HTTP route
+(``POST .../run_code``, ``.../commands``, ``.../fork``, ``.../merge_into/{winner}``,
+``.../checkpoints``, ``.../checkpoints/{cp}/restore``, ``.../checkpoints/{cp}/fork``,
+``DELETE /v1/sandboxes/{id}``): the same validation, engine call, lines and replay
+log; what the route has in its path after the sandbox's id, the body names
+(``winner``, ``checkpoint``).
 
 Client to server, one JSON object per text message::
 
     {"id": N, "op": "run_code" | "commands" | "fork" | "merge_into" | "checkpoint"
-                    | "restore" | "fork_checkpoint", "sandbox": ID, "body": {...}}
+                    | "restore" | "fork_checkpoint" | "close", "sandbox": ID, "body": {...}}
     {"cancel": N}        the client gave up on run N
 
 Server to client: ``{"id": N, "line": {...}}`` for each line of run N, in order; its
@@ -23,8 +24,8 @@ last line is its ``result`` (``exit``) or an ``error`` line (``{"type": "error",
 "error", "kind", "status"}``, as an NDJSON stream ends after a failure); every op but
 a run of code or a command answers with one line, its ``result``: what its route's
 JSON reply holds (a fork's children and their addresses, a checkpoint's info; nothing
-more for a merge or a restore). Runs on one connection go on at once (each sandbox
-still runs its calls one at a time).
+more for a merge, a restore or a close). Runs on one connection go
+on at once (each sandbox still runs its calls one at a time).
 
 A cancelled run, and every run of a connection that closes, is abandoned as an HTTP
 call whose client hung up is (``engine.run_guard``): interrupted if it runs, never run
@@ -53,6 +54,7 @@ from branchbox.server.errors import describe, validation_message
 from branchbox.server.execution import code_run, command_run
 from branchbox.server.instants import checkpoint_forked, checkpointed, restored
 from branchbox.server.models import (
+    Close,
     CreateCheckpoint,
     Fork,
     ForkCheckpoint,
@@ -61,7 +63,7 @@ from branchbox.server.models import (
     RunCode,
     RunCommand,
 )
-from branchbox.server.sandboxes import forked, merged
+from branchbox.server.sandboxes import closed, forked, merged
 from branchbox.server.streams import Event, error_line
 
 log = logging.getLogger("branchbox.server")
@@ -104,6 +106,7 @@ _RUNS: dict[str, tuple[type, Callable[[State, str, Any], AsyncIterator[dict]]]] 
         state.engine, sid, body.checkpoint))),
     "fork_checkpoint": (ForkCheckpoint, _answer(lambda state, sid, body: checkpoint_forked(
         state.engine, sid, body.checkpoint, body.n))),
+    "close": (Close, _answer(lambda state, sid, body: closed(state.engine, state.events, sid))),
 }
 
 

@@ -175,6 +175,10 @@ class MergeInto(_Body):
     winner: str
 
 
+class Close(_Body):
+    """A close names nothing but its sandbox."""
+
+
 class Diff(_Body):
     other: str
     paths: list[SandboxPath] | None = None

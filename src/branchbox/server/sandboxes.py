@@ -47,8 +47,14 @@ async def sandbox_info(sandbox_id: str, engine: EngineDep) -> dict:
 @router.delete("/{sandbox_id}", **NO_CONTENT)
 async def close_sandbox(sandbox_id: str, engine: EngineDep, events: EventsDep) -> None:
     """Kill everything in the sandbox and release its storage."""
+    await closed(engine, events, sandbox_id)
+
+
+async def closed(engine: Engine, events: EventLog, sandbox_id: str) -> dict:
+    """A close, over HTTP here and over the calls WebSocket; it answers nothing."""
     await engine.close(sandbox_id)
     events.forget(sandbox_id)
+    return {}
 
 
 def children_answer(engine: Engine, children: list[Live]) -> dict:
