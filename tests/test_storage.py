@@ -22,6 +22,7 @@ import pytest
 
 from branchbox.agent import sysc
 from branchbox.storage import btrfs, images, loopback
+from branchbox.storage import ioctl as storage_ioctl
 from branchbox.storage.backend import (
     BackendUnavailable,
     Store,
@@ -284,7 +285,7 @@ def test_btrfs_calls_let_other_threads_run(btrfs_store: Store,
             progress += 1
 
     during: list[int] = []
-    real = btrfs._libc.ioctl
+    real = storage_ioctl._libc.ioctl
 
     def watched(*args):
         before = progress
@@ -293,7 +294,7 @@ def test_btrfs_calls_let_other_threads_run(btrfs_store: Store,
         finally:
             during.append(progress - before)
 
-    monkeypatch.setattr(btrfs._libc, "ioctl", watched)
+    monkeypatch.setattr(storage_ioctl._libc, "ioctl", watched)
     spinner = threading.Thread(target=spin)
     spinner.start()
     try:

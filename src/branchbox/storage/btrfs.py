@@ -19,6 +19,8 @@ import stat
 import struct
 from pathlib import Path
 
+from branchbox.storage.ioctl import ioctl
+
 BTRFS_SUPER_MAGIC = 0x9123683E
 
 BTRFS_IOC_SUBVOL_CREATE = 0x5000940E  # _IOW(0x94, 14, struct btrfs_ioctl_vol_args)
@@ -67,7 +69,6 @@ _SUBVOL_ROOT_INO = 256
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
-_libc.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
 _STATFS_SIZE = 256  # larger than struct statfs on every Linux ABI; f_type comes first
 
 
@@ -298,15 +299,12 @@ def _ioctl_in(parent: str, request: int, args: bytearray, path: Path | str) -> N
 
 
 def _ioctl(fd: int, request: int, args: bytearray, path: Path | str) -> None:
-    """ioctl on ``args`` in place, without the GIL. Python's ``fcntl.ioctl`` holds the
-    GIL for the whole call once a buffer is over 1024 bytes, as btrfs's 4 KiB argument
-    structs are: a snapshot (a transaction commit, 1.5-2 ms here, far more under load)
-    then stopped every thread of the daemon, its event loop included, even when run in
-    a worker thread. ctypes lets go of the GIL; the buffer, exported meanwhile, cannot
-    be resized under the call."""
-    buffer = (ctypes.c_char * len(args)).from_buffer(args)
-    if _libc.ioctl(fd, request, buffer) < 0:
-        err = ctypes.get_errno()
+    """ioctl on ``args`` in place, without the GIL (``storage.ioctl``: a snapshot is a
+    transaction commit, 1.5-2 ms here and far more under load, that stopped the whole
+    daemon while Python's ``fcntl.ioctl`` held the GIL for btrfs's 4 KiB structs)."""
+    try:
+        ioctl(fd, request, args)
+    except OSError as exc:
         # ENOTTY reads "Inappropriate ioctl for device"; say what it means here.
-        text = "not on a btrfs filesystem" if err == errno.ENOTTY else os.strerror(err)
-        raise OSError(err, text, os.fspath(path))
+        text = "not on a btrfs filesystem" if exc.errno == errno.ENOTTY else exc.strerror
+        raise OSError(exc.errno, text, os.fspath(path)) from None

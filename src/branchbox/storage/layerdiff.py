@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import fcntl
 import os
 import stat
 import struct
@@ -63,6 +62,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from branchbox.storage import beneath
+from branchbox.storage.ioctl import ioctl
 from branchbox.storage.overlay import OPAQUE, is_whiteout
 
 # Per diff: bytes of file content read (both sides together) and seconds of wall time,
@@ -283,7 +283,7 @@ def _fiemap_runs(fd: int, size: int, budget: Budget) -> Iterator[_Run]:
         budget.check()
         buf = bytearray(_FIEMAP_HEADER.size + _FIEMAP_EXTENT.size * _FIEMAP_BATCH)
         _FIEMAP_HEADER.pack_into(buf, 0, pos, size - pos, flags, 0, _FIEMAP_BATCH, 0)
-        fcntl.ioctl(fd, _FS_IOC_FIEMAP, buf, True)
+        ioctl(fd, _FS_IOC_FIEMAP, buf)  # without the GIL: the sync may take a while
         flags = 0
         mapped = _FIEMAP_HEADER.unpack_from(buf, 0)[3]
         if mapped == 0:
