@@ -11,13 +11,8 @@ from pathlib import Path
 
 from waiting import ended, eventually
 
+from branchbox.runtime import procfs
 from branchbox.sdk._portal import portal
-
-
-def _ppid(pid: int) -> int:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat[stat.rindex(")") + 2:].split()[1])
-
 
 # An interpreter reads it at its start, so a create that sets it starts its own: the
 # zygote forks its launcher, not the image's template.
@@ -29,7 +24,7 @@ def test_a_launcher_is_forked_by_the_zygote_and_holds_only_its_log(harness, make
     launcher = harness.engine.get(sb.id).family.family.pid
     zygote = harness.engine.zygote
     assert Path(f"/proc/{launcher}/comm").read_text().strip() == "bb-launcher"
-    parent = _ppid(launcher)  # a zygote; init once that zygote ended (an earlier test's)
+    parent = procfs.parent(launcher)  # a zygote; init once that zygote ended (an earlier test's)
     assert parent == zygote.pid or parent == 1 and zygote.pid is not None
     fds = {int(fd): os.readlink(f"/proc/{launcher}/fd/{fd}")
            for fd in os.listdir(f"/proc/{launcher}/fd")}

@@ -23,6 +23,8 @@ import httpx
 import pytest
 from served import ServedDaemon
 
+from branchbox.runtime import procfs
+
 API_KEY = "agent-input-test-key"
 LIVE = 10.0  # seconds within which the daemon must answer under attack (liveness)
 
@@ -113,13 +115,11 @@ def _comm(pid: int) -> str:
 
 
 def _ppid(pid: int) -> int | None:
+    """``pid``'s parent, or None once it is gone."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("PPid:"):
-                return int(line.split()[1])
+        return procfs.parent(pid)
     except OSError:
         return None
-    return None
 
 
 def _alive(pids: list[int]) -> list[int]:

@@ -14,16 +14,12 @@ import pytest
 from waiting import ended, eventually
 
 from branchbox.engine import templates
+from branchbox.runtime import procfs
 from branchbox.sdk._portal import portal
 
 _NS_GET_USERNS = 0xB701
 _NS_GET_PARENT = 0xB702
 _NS_GET_OWNER_UID = 0xB704
-
-
-def _ppid(pid: int) -> int:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat[stat.rindex(")") + 2:].split()[1])
 
 
 def _comm(pid: int) -> str:
@@ -57,18 +53,15 @@ def _owner_uid(pid: int) -> int:
 
 
 def _host_uid(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("Uid:"):
-            return int(line.split()[1])
-    raise AssertionError(f"no Uid line for {pid}")
+    return int(procfs.status(pid)["Uid"].split()[0])
 
 
 def _template_of(harness, sb) -> int:
     """The template REPL's pid that forked ``sb``'s launcher (asserting that one did)."""
     launcher = harness.engine.get(sb.id).family.family.pid
-    template = _ppid(launcher)
+    template = procfs.parent(launcher)
     assert _comm(template) == "bb-template", f"{sb.id}'s launcher's parent is {_comm(template)}"
-    assert _comm(_ppid(template)) == "bb-template-map"
+    assert _comm(procfs.parent(template)) == "bb-template-map"
     return template
 
 
@@ -85,7 +78,7 @@ def test_a_create_forks_its_images_template_and_its_repl_is_a_started_ones(harne
     template = _template_of(harness, sb)
     # The map writer (in the host's mount and PID namespaces) keeps only what writing a
     # family's id maps takes, in Z: CAP_DAC_OVERRIDE, CAP_SETGID, CAP_SETUID, CAP_SYS_ADMIN.
-    writer = _ppid(template)
+    writer = procfs.parent(template)
     for field in ("CapEff", "CapPrm", "CapBnd"):
         assert int(_status(writer, field), 16) == (1 << 1) | (1 << 6) | (1 << 7) | (1 << 21)
     assert _status(writer, "NoNewPrivs") == "1"
@@ -137,7 +130,7 @@ def test_an_environment_an_interpreter_reads_at_its_start_gets_an_interpreter(
     gets a started one (the zygote's launcher); what is read later (TZ) is read anew."""
     own = make(env={"PYTHONPATH": "/opt/extra"})
     launcher = harness.engine.get(own.id).family.family.pid
-    assert _comm(_ppid(launcher)) != "bb-template"
+    assert _comm(procfs.parent(launcher)) != "bb-template"
     assert "'/opt/extra'" in own.run_code("import sys; sys.path").text
     forked = make(env={"TZ": "EST5"})
     _template_of(harness, forked)
@@ -164,7 +157,7 @@ def test_a_template_that_dies_is_replaced(harness, make, fresh_pool) -> None:
     for _ in range(5):  # the pool's two, then one it started after the kill
         later = make()
         assert later.run_code("1 + 1").text == "2"
-        parent = _ppid(harness.engine.get(later.id).family.family.pid)
+        parent = procfs.parent(harness.engine.get(later.id).family.family.pid)
         if parent != template and _comm(parent) == "bb-template":
             break
     assert parent != template and _comm(parent) == "bb-template", _comm(parent)
@@ -178,7 +171,7 @@ def test_a_forked_repl_is_what_a_started_one_is(harness, make) -> None:
              "[signal.getsignal(s) for s in (signal.SIGPIPE, signal.SIGXFSZ)])")
     forked, started = make(), make(env={"PYTHONIOENCODING": "utf-8"})
     _template_of(harness, forked)
-    assert _comm(_ppid(harness.engine.get(started.id).family.family.pid)) != "bb-template"
+    assert _comm(procfs.parent(harness.engine.get(started.id).family.family.pid)) != "bb-template"
     assert forked.run_code(probe).text == started.run_code(probe).text
 
 

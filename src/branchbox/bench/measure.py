@@ -12,12 +12,11 @@ import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 from rich.progress import Progress, TaskID
 
-from branchbox.runtime import smaps
+from branchbox.runtime import procfs, smaps
 from branchbox.sdk import Sandbox
 
 T = TypeVar("T")
@@ -88,10 +87,8 @@ def page_tables_mib(pids: Iterable[int]) -> float:
     0."""
     kib = 0
     for pid in pids:
-        with contextlib.suppress(OSError, ValueError):
-            for line in Path(f"/proc/{int(pid)}/status").read_text().splitlines():
-                if line.startswith("VmPTE:"):
-                    kib += int(line.split()[1])
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            kib += int(procfs.status(int(pid))["VmPTE"].split()[0])
     return kib / 1024
 
 

@@ -193,7 +193,7 @@ class SandboxCgroup:
         controller's (twelve on v1). The REPL alone sits in "repl"."""
         with contextlib.suppress(FileNotFoundError, IndexError):  # removed: no dirs
             return [int(p) for p in
-                    (self._split_dirs()[0] / leaf / "cgroup.procs").read_text().split()]
+                    _read_all(f"{self._split_dirs()[0]}/{leaf}/cgroup.procs").split()]
         return []
 
     def freeze(self, leaf: str | None = None, frozen: bool = True) -> None:

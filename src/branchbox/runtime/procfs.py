@@ -38,7 +38,8 @@ class TooManyShared(Exception):
     """The REPL has more shared mappings than a fork child can be told about."""
 
 
-def _status(pid: int) -> dict[str, str]:
+def status(pid: int) -> dict[str, str]:
+    """The fields of ``/proc/PID/status`` (values as the kernel writes them)."""
     with open(f"/proc/{pid}/status") as f:
         return dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
 
@@ -48,7 +49,7 @@ def find_repl(candidates: list[int], ns_pid: int) -> int | None:
     PID namespace (the REPL is one level below the host's; commands are two)."""
     for pid in candidates:
         with contextlib.suppress(OSError, ValueError):
-            levels = _status(pid)["NSpid"].split()
+            levels = status(pid)["NSpid"].split()
             if len(levels) == 2 and int(levels[1]) == ns_pid:
                 return pid
     return None
@@ -73,7 +74,7 @@ def describe(pid: int) -> dict:
     (sockets, pipes, anonymous inodes). ``shared`` and ``swap``: :func:`shared_mappings`,
     and whether the host swaps (then a page not in memory may still hold data)."""
     base = f"/proc/{pid}"
-    threads = int(_status(pid).get("Threads", "1").strip() or 1)
+    threads = int(status(pid).get("Threads", "1").strip() or 1)
     entries = []
     for name in sorted(os.listdir(f"{base}/fd"), key=int)[:MAX_FDS]:
         try:
