@@ -35,17 +35,20 @@ class ServedDaemon:
     """``branchbox serve`` on a free loopback port (copy storage), started and healthy."""
 
     def __init__(self, prefix: str, env: dict[str, str], *extra: str,
-                 data_dir: Path | None = None) -> None:
-        """``data_dir``: an earlier daemon's, to start again on (default: a new one)."""
+                 data_dir: Path | None = None, port: int | None = None) -> None:
+        """``data_dir`` and ``port``: an earlier daemon's, to start again on (default: a
+        new one, a free port)."""
         if os.geteuid() != 0:
             pytest.fail("these tests need root: the daemon makes namespaces, cgroups and mounts")
         # Not pytest's tmp_path: its parents are 0700, and a sandbox's mapped root must be
         # able to traverse the data directory to attach its root filesystem.
         self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix=f"branchbox-test-{prefix}-"))
         self.data_dir.chmod(0o755)
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        if port is None:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+        self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log = self.data_dir / "test-daemon.log"
         with self.log.open("wb") as out:

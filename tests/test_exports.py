@@ -28,6 +28,7 @@ PUBLIC = [
     "ImageBuildFailed",
     "InsufficientStorage",
     "InvalidRequest",
+    "NodeUnavailable",
     "PayloadTooLarge",
     "ReplGone",
     "ResourceLimit",
@@ -55,7 +56,7 @@ def test_errors_share_one_root() -> None:
     errors = [getattr(branchbox, name) for name in PUBLIC
               if isinstance(getattr(branchbox, name), type)
               and issubclass(getattr(branchbox, name), BaseException)]
-    assert len(errors) == 15
+    assert len(errors) == 16
     assert all(issubclass(cls, branchbox.SandboxError) for cls in errors)
     assert issubclass(branchbox.SandboxTimeout, TimeoutError)
     assert issubclass(branchbox.FileNotFound, FileNotFoundError)

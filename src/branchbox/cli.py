@@ -139,6 +139,9 @@ def serve(
         "image 'host' hides, beyond its default deny list; repeat for more.")] = None,
     host_deny_file: Annotated[Path | None, typer.Option(
         help="A file of such paths, one a line (# comments).")] = None,
+    node: Annotated[str | None, typer.Option(
+        help="This node's name in a cluster, shown by a gateway (default: the host name).",
+        envvar="BRANCHBOX_NODE")] = None,
     keep: Annotated[bool, typer.Option(
         "--keep", help="On SIGINT/SIGTERM leave every sandbox running: the next daemon on "
                        "this data directory serves them again (also: $BRANCHBOX_KEEP=1).")]
@@ -155,6 +158,8 @@ def serve(
         os.environ["BRANCHBOX_INTERNET"] = "1"
     if keep:
         os.environ["BRANCHBOX_KEEP"] = "1"
+    if node:
+        os.environ["BRANCHBOX_NODE"] = node
     try:
         deny = [check_pattern(p) for p in host_deny or []]
         deny += read_deny_file(host_deny_file) if host_deny_file else []
@@ -174,6 +179,57 @@ def serve(
         fail(str(exc))
     except KeyboardInterrupt:
         pass  # the server has shut down gracefully already
+
+
+@command()
+def gateway(
+    nodes: Annotated[str | None, typer.Option(
+        metavar="URL,...", help="The node daemons' URLs (http://HOST:PORT), comma-separated.")]
+    = None,
+    kubernetes: Annotated[str | None, typer.Option(
+        metavar="SERVICE", help="Find the nodes as the ready endpoints of this headless "
+                                "Service instead (its EndpointSlices, port 'http').")] = None,
+    namespace: Annotated[str, typer.Option(
+        help="The Service's namespace.", envvar="POD_NAMESPACE")] = "default",
+    node_key: Annotated[str | None, typer.Option(
+        help="The key every node accepts (nodes trust only the gateway); also "
+             "$BRANCHBOX_NODE_KEY.", envvar="BRANCHBOX_NODE_KEY", show_envvar=False)] = None,
+    api_keys: ApiKeys = None,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8080,
+    as_json: Json = False,
+) -> None:
+    """Route requests by sandbox id across daemons on several nodes; creates go to the
+    least-loaded node (see deploy/kubernetes for a cluster)."""
+    from branchbox.gateway.nodes import static_source
+    from branchbox.gateway.serve import serve_gateway
+
+    if (nodes is None) == (kubernetes is None):
+        fail("name the nodes: --nodes URL,... or --kubernetes SERVICE (one of the two)")
+    keys = configured_keys(api_keys)
+    if not keys or not node_key:
+        fail("the gateway needs its clients' API key ($BRANCHBOX_API_KEY or --api-keys) and "
+             "the nodes' key (--node-key or $BRANCHBOX_NODE_KEY)")
+    if nodes is not None:
+        urls = [u.strip().rstrip("/") for u in nodes.split(",") if u.strip()]
+        if not urls or not all(u.startswith(("http://", "https://")) for u in urls):
+            fail(f"--nodes wants http://HOST:PORT URLs, comma-separated, not {nodes!r}")
+        source = static_source(urls)
+    else:
+        from branchbox.gateway.discovery import DiscoveryError, KubernetesNodes
+        try:
+            found = KubernetesNodes(kubernetes, namespace)
+        except DiscoveryError as exc:
+            fail(str(exc))
+        source = found.urls
+    try:
+        serve_gateway(source, host, port, api_keys=keys, node_key=node_key,
+                      on_listening=(lambda url: emit_json({"listening": url})) if as_json
+                      else (lambda url: out.print(f"branchbox gateway listening on {url}")))
+    except OSError as exc:
+        fail(f"cannot listen on {host}:{port}: {exc}")
+    except KeyboardInterrupt:
+        pass
 
 
 @command()

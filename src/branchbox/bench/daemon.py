@@ -31,9 +31,10 @@ class Daemon:
     """``branchbox serve`` on a temporary data directory, stopped (and the directory
     removed) on exit."""
 
-    def __init__(self, api_key: str | None = None) -> None:
+    def __init__(self, api_key: str | None = None, node: str | None = None) -> None:
         """With ``api_key``, on a free loopback TCP port with that key (for clients that
-        speak only TCP, such as E2B's SDKs); else on the data directory's unix socket."""
+        speak only TCP, such as E2B's SDKs); else on the data directory's unix socket.
+        ``node``: its name as a node of a cluster (a gateway's tests)."""
         self.data_dir = Path(tempfile.mkdtemp(prefix="branchbox-bench-"))
         self.log_path = self.data_dir / "daemon.log"
         self.api_key = api_key
@@ -44,6 +45,7 @@ class Daemon:
                 probe.bind(("127.0.0.1", 0))
                 self.port = probe.getsockname()[1]
             self.url = f"http://127.0.0.1:{self.port}"
+        self.node = node
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> Daemon:
@@ -58,6 +60,8 @@ class Daemon:
         if self.port is not None:
             command += ["--host", "127.0.0.1", "--port", str(self.port)]
             env["BRANCHBOX_API_KEY"] = str(self.api_key)
+        if self.node is not None:
+            command += ["--node", self.node]
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 command,

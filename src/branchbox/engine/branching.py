@@ -24,7 +24,8 @@ from branchbox.engine.layers import (
     FrozenLayer,
     LayerStack,
 )
-from branchbox.engine.live import Body, Live, new_id
+from branchbox.engine.live import Body, Live
+from branchbox.engine.node import new_id
 from branchbox.engine.records import SandboxRecord
 from branchbox.engine.stopped import describe
 from branchbox.runtime import procfs
@@ -311,7 +312,7 @@ class Branching:
                        limits: Limits) -> tuple[str, Body]:
         """A child's id, writable volume and cgroup (made ahead if one is ready: its name is
         the body's key); its channel is created at hand-over."""
-        sid = new_id()
+        sid = new_id(self.node)
         stack = self.layers.new_stack(lowers, parent.base, parent.workspace, ids=parent.ids)
         try:
             cgroup = self.ready_cgroups.take(limits)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,6 +75,9 @@ class EngineConfig:
         p for p in os.environ.get("BRANCHBOX_HOST_DENY", "").split(os.pathsep) if p])
     # The sandboxes' subnet; None: the first free /16 from 10.89.0.0 (runtime.network).
     subnet: str | None = field(default_factory=lambda: os.environ.get("BRANCHBOX_SUBNET"))
+    # The node's name in a cluster (a gateway shows it; Kubernetes passes spec.nodeName).
+    node_name: str = field(
+        default_factory=lambda: os.environ.get("BRANCHBOX_NODE") or socket.gethostname())
 
     @property
     def cgroup_group(self) -> str:

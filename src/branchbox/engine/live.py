@@ -8,7 +8,6 @@ to the winner's body, which is why the two are kept apart.
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -20,10 +19,6 @@ from branchbox.runtime.cgroups import SandboxCgroup
 from branchbox.runtime.channel import AgentChannel
 from branchbox.runtime.dormant import Dormant
 from branchbox.runtime.family import Family
-
-
-def new_id() -> str:
-    return "sbx_" + secrets.token_hex(16)
 
 
 @dataclass(eq=False)

@@ -32,8 +32,9 @@ from branchbox.engine.layers import (
     Layers,
     WorkspaceLower,
 )
-from branchbox.engine.live import Body, FamilyHandle, Live, new_id
+from branchbox.engine.live import Body, FamilyHandle, Live
 from branchbox.engine.networking import SandboxNetwork
+from branchbox.engine.node import new_id, node_tag
 from branchbox.engine.pausing import Pausing, refuse_paused
 from branchbox.engine.ready_cgroups import ReadyCgroups
 from branchbox.engine.reattach import Reattach
@@ -94,6 +95,7 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.live: dict[str, Live] = {}
+        self.node = ""  # this node's tag, from its data directory at start (engine.node)
         self.store = None
         self.layers: Layers | None = None
         self.records: Records | None = None
@@ -132,6 +134,7 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
         for sub in ("run", "logs"):
             (cfg.data_dir / sub).mkdir(parents=True, exist_ok=True)
         cfg.data_dir.chmod(0o700)  # layers, logs and the socket are the daemon's alone
+        self.node = node_tag(cfg.data_dir)  # what this node's sandbox ids carry
         ATTACH_DIR.mkdir(parents=True, exist_ok=True)
         _raise_fd_limit()
         self.records = Records(cfg.data_dir / "sandboxes.db")
@@ -393,7 +396,7 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
         A stopped sandbox's start passes its id, its files as ``frozen`` layers and its
         family's id range."""
         base = await self._base_layers(image)
-        sid = sid or new_id()
+        sid = sid or new_id(self.node)
         key = secrets.token_hex(8)
         disk_mb = meta.get("disk_mb")
         if ids is None:

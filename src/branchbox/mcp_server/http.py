@@ -10,11 +10,8 @@ any MCP session is made.
 from __future__ import annotations
 
 import json
-import signal
 import socket
-import sys
 from collections.abc import Callable, Iterable
-from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -23,6 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from branchbox.server.address import tcp_listener
 from branchbox.server.keys import key_accepted
+from branchbox.server.stop_signal import sigterm_exits_cleanly
 
 MCP_PATH = "/mcp"
 
@@ -80,15 +78,8 @@ async def serve_http(server: Server[Any], host: str, port: int, keys: Iterable[s
     runner = uvicorn.Server(uvicorn.Config(app, timeout_graceful_shutdown=10,
                                            access_log=False, log_level="warning"))
     on_listening(f"http://{shown}:{bound_port}{MCP_PATH}")
-    # uvicorn shuts down on SIGTERM, then raises it again under the handler that was in
-    # place before it: exiting with status 0 there is a clean stop, not a death by signal.
-    previous = signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
-        await runner.serve(sockets=[sock])
+        with sigterm_exits_cleanly():
+            await runner.serve(sockets=[sock])
     finally:
-        signal.signal(signal.SIGTERM, previous)
         sock.close()
-
-
-def _exit_cleanly(_signum: int, _frame: FrameType | None) -> None:
-    sys.exit(0)

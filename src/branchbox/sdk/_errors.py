@@ -15,6 +15,7 @@
     ├── PayloadTooLarge               upload over the server's limit (413)
     ├── ResourceLimit                 the sandbox's process limit is reached (429)
     ├── ServerStopping                the server stopped during the call (503)
+    ├── NodeUnavailable               behind a gateway: the sandbox's node is down (503)
     └── InsufficientStorage           the sandbox's disk limit or the store is full (507)
 
 Every message ends with a hint on how to fix the problem.
@@ -103,6 +104,11 @@ class ServerStopping(SandboxError):
     hint = "the call may not have run; retry it once the server is back"
 
 
+class NodeUnavailable(SandboxError):
+    hint = ("the node that holds this sandbox does not answer the gateway; the call may not "
+            "have run. Retry once the node is back: sandboxes on other nodes are unaffected")
+
+
 class InsufficientStorage(SandboxError, OSError):
     """Also an OSError, as a full disk is for local code."""
 
@@ -127,6 +133,7 @@ _TABLE: dict[str, tuple[type[SandboxError], int | None]] = {
     "PayloadTooLarge": (PayloadTooLarge, 413),
     "ResourceLimit": (ResourceLimit, 429),
     "ServerStopping": (ServerStopping, 503),
+    "NodeUnavailable": (NodeUnavailable, None),
     "InsufficientStorage": (InsufficientStorage, 507),
     "ImageBuildFailed": (ImageBuildFailed, 422),
 }

@@ -23,6 +23,7 @@ from branchbox.server import (
     files,
     images,
     instants,
+    node,
     ports,
     sandboxes,
 )
@@ -80,7 +81,7 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] = (),
         """``ok`` once the engine has started (open to all, even with API keys)."""
         return "ok"
 
-    for module in (sandboxes, execution, files, images, ports, events):
+    for module in (sandboxes, execution, files, images, ports, events, node):
         app.include_router(module.router, dependencies=[Depends(require_api_key)])
     app.include_router(instants.router, dependencies=[Depends(require_api_key)])
     app.include_router(ports.ws_router)  # checks the same key itself

@@ -21,18 +21,16 @@ a WebSocket message larger than ``WS_MAX_MESSAGE`` closes the relay (1009).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-
 import httpx
 import websockets
-from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
+from fastapi import APIRouter, Request, WebSocket
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from branchbox.engine import errors
 from branchbox.engine.sandboxes import Engine
 from branchbox.server.deps import EngineDep, ws_key_ok
+from branchbox.server.relaying import HOP_BY_HOP, relay, subprotocols
 from branchbox.server.ui.session import COOKIE
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["ports"])
@@ -41,9 +39,8 @@ router = APIRouter(prefix="/v1/sandboxes", tags=["ports"])
 ws_router = APIRouter(prefix="/v1/sandboxes", tags=["ports"])
 
 _METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
-# RFC 9110 7.6.1 connection-specific headers, plus ours: never forwarded either way.
-_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-        "trailer", "transfer-encoding", "upgrade", "host"}
+# Never forwarded either way: connection-specific headers, and the Host (ours).
+_HOP = HOP_BY_HOP | {"host"}
 _CREDENTIALS = {"authorization", "x-api-key", "x-access-token", "e2b-traffic-access-token"}
 # Everything a page may do but be the daemon's origin (no allow-same-origin).
 _PAGE_POLICY = (b"sandbox allow-scripts allow-forms allow-popups allow-modals "
@@ -146,44 +143,12 @@ async def proxy_websocket(ws: WebSocket, sandbox_id: str, port: int, path: str =
         return
     query = ws.url.query
     url = f"ws://{target}/{path}" + (f"?{query}" if query else "")
-    subprotocols = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",")
-                    if p.strip()]
     try:
-        upstream = await websockets.connect(url, subprotocols=subprotocols or None,
+        upstream = await websockets.connect(url, subprotocols=subprotocols(ws),
                                             open_timeout=10, max_size=WS_MAX_MESSAGE,
                                             max_queue=4, proxy=None)
     except (TimeoutError, OSError, websockets.WebSocketException):
         await ws.close(code=1011, reason=f"nothing answers on port {port} in the sandbox")
         return
     await ws.accept(subprotocol=upstream.subprotocol)
-
-    async def client_to_sandbox() -> None:
-        while True:
-            message = await ws.receive()
-            if message["type"] == "websocket.disconnect":
-                return
-            if message.get("bytes") is not None:
-                await upstream.send(message["bytes"])
-            elif message.get("text") is not None:
-                await upstream.send(message["text"])
-
-    async def sandbox_to_client() -> None:
-        async for message in upstream:
-            if isinstance(message, bytes):
-                await ws.send_bytes(message)
-            else:
-                await ws.send_text(message)
-
-    tasks = [asyncio.create_task(client_to_sandbox()), asyncio.create_task(sandbox_to_client())]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, WebSocketDisconnect,
-                                     websockets.WebSocketException, RuntimeError, OSError):
-                await task
-        await upstream.close()
-        with contextlib.suppress(RuntimeError, OSError):
-            await ws.close()
+    await relay(ws, upstream)

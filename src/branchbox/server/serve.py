@@ -15,9 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import signal
 import socket
-import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import FrameType
@@ -28,6 +26,7 @@ from branchbox.engine.config import DEFAULT_DATA_DIR, EngineConfig
 from branchbox.engine.sandboxes import Engine
 from branchbox.server.address import DEFAULT_HOST, DEFAULT_PORT, socket_path, tcp_listener
 from branchbox.server.app import DEFAULT_MAX_UPLOAD, create_app
+from branchbox.server.stop_signal import sigterm_exits_cleanly
 
 API_KEY_FILE = "api-key"
 
@@ -77,14 +76,11 @@ def serve(data_dir: Path | str = DEFAULT_DATA_DIR, host: str | None = None,
     # (and floods the log); failures are still logged.
     server = _Server(uvicorn.Config(app, timeout_graceful_shutdown=10, access_log=False))
     app.state.server = server  # streams that never end (GET /v1/events) end when it stops
-    # uvicorn re-raises the signal it shut down for; SIGTERM then ends the process
-    # through this handler, so the `finally` below still removes the socket file.
-    previous = signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
-        on_listening(url)
-        server.run(sockets=[sock])
+        with sigterm_exits_cleanly():  # so the `finally` below still removes the socket file
+            on_listening(url)
+            server.run(sockets=[sock])
     finally:
-        signal.signal(signal.SIGTERM, previous)
         sock.close()
         if sock.family == socket.AF_UNIX:
             Path(url.removeprefix("unix://")).unlink(missing_ok=True)
@@ -111,10 +107,6 @@ def generated_api_key(path: Path) -> str:
     with os.fdopen(fd, "w") as out:
         out.write(key + "\n")
     return key
-
-
-def _exit_cleanly(_signum: int, _frame: FrameType | None) -> None:
-    sys.exit(0)
 
 
 def _bind_unix(path: Path) -> socket.socket:

@@ -1,0 +1,46 @@
+"""Which node a request is for, from the request alone.
+
+A sandbox's requests name it in their path (``/v1/sandboxes/{id}/...``, E2B's
+``/sandboxes/{id}/...``), in E2B's sandbox-plane headers (``E2b-Sandbox-Id``) or Host
+(``<port>-<id>.<domain>``), or, on the calls WebSocket, in each message; the id's tag
+names the node (``engine.node``). A create names no sandbox: it goes to the least-loaded
+node. A listing is every node's, merged.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from branchbox.server.e2b_access import addressed, is_sandbox_id
+from branchbox.server.e2b_control import DEFAULT_TEMPLATES
+
+_IN_PATH = re.compile(r"(?:^|/)(sbx_[0-9a-f]{32})(?:/|$)")
+
+CREATES = {("POST", "/v1/sandboxes"), ("POST", "/sandboxes"), ("POST", "/v2/sandboxes")}
+"""Routes that make a sandbox: the native API's and E2B's control plane's."""
+LISTINGS = {"/v1/sandboxes", "/sandboxes", "/v2/sandboxes", "/v1/images"}
+"""GET routes whose answer is every node's, merged."""
+
+
+def sandbox_named(path: str, headers: Mapping[str, str]) -> str | None:
+    """The sandbox id a request is for: E2B's addressing first (its paths name no
+    sandbox), then the first id in the path; None when it names none."""
+    target = addressed(headers)
+    if target is not None and is_sandbox_id(target[0]):
+        return target[0]
+    match = _IN_PATH.search(path)
+    return match.group(1) if match else None
+
+
+def image_of_create(path: str, body: object) -> str | None:
+    """The image a create's JSON body asks for (E2B calls it a template); None for the
+    default (every node has it)."""
+    if not isinstance(body, dict):
+        return None
+    if path == "/v1/sandboxes":
+        image = body.get("image")
+    else:
+        image = body.get("templateID")
+        image = None if image in DEFAULT_TEMPLATES else image
+    return image if isinstance(image, str) and image else None

@@ -1,0 +1,301 @@
+"""``branchbox gateway`` in front of three daemons standing in for three nodes.
+
+Each daemon has its own data directory and loopback port, and the cluster's internal
+node key as its only key; two gateway replicas (real ``branchbox gateway`` processes,
+a static node list) take the clients' key. Everything goes through the published
+clients unchanged: our SDK, Podflare's, E2B's, and a raw calls WebSocket.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import podflare
+import pytest
+from e2b_sdk import sdk_python
+from served import ServedDaemon, env_with_key, wait_started
+from waiting import eventually
+from websockets.sync.client import connect
+
+from branchbox import NodeUnavailable, Sandbox, SandboxNotFound
+
+NODE_KEY = "gw-test-node-key"
+USER_KEY = "gw-test-user-key"
+USER = {"Authorization": f"Bearer {USER_KEY}"}
+
+
+class Gateway:
+    """A ``branchbox gateway`` process on a free loopback port."""
+
+    def __init__(self, nodes: list[str]) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = Path(tempfile.mkstemp(prefix="branchbox-gateway-", suffix=".log")[1])
+        env = {**env_with_key(USER_KEY), "BRANCHBOX_NODE_KEY": NODE_KEY}
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "branchbox", "gateway", "--nodes", ",".join(nodes),
+                 "--port", str(port)],
+                env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        wait_started(self.proc, self._healthy, self.stop, "the gateway", self.log)
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/v1/healthz", timeout=2).text == "ok"
+        except httpx.TransportError:
+            return False
+
+    def nodes(self) -> list[dict]:
+        return httpx.get(f"{self.url}/v1/nodes", headers=USER, timeout=10).json()["nodes"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            assert self.proc.wait(30) == 0, self.log.read_text()
+        self.log.unlink(missing_ok=True)
+
+
+@dataclass
+class Cluster:
+    nodes: list[ServedDaemon]
+    gateways: list[Gateway]
+    tags: dict[str, int]  # node tag -> index in nodes
+
+    def node_of(self, sandbox_id: str) -> int:
+        return self.tags[sandbox_id[4:12]]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    nodes: list[ServedDaemon] = []
+    gateways: list[Gateway] = []
+    try:
+        for index in range(3):
+            nodes.append(ServedDaemon(f"gw-n{index}", env_with_key(NODE_KEY),
+                                      "--node", f"node-{index}"))
+        gateways = [Gateway([n.url for n in nodes]) for _ in range(2)]
+        assert eventually(lambda: all(len([n for n in g.nodes() if n["up"]]) == 3
+                                      for g in gateways), within=30)
+        tags = {n["tag"]: int(n["name"].removeprefix("node-")) for n in gateways[0].nodes()}
+        yield Cluster(nodes, gateways, tags)
+    finally:
+        for gateway in gateways:
+            gateway.stop()
+        for node in nodes:
+            node.stop()
+
+
+def test_creates_spread_and_calls_reach_their_node(cluster: Cluster, tmp_path: Path) -> None:
+    """30 creates through both replicas land on all three nodes; then every kind of call,
+    through the other replica, reaches the node that holds the sandbox."""
+    one, other = (g.url for g in cluster.gateways)
+
+    def create(index: int) -> Sandbox:
+        return Sandbox(url=(one, other)[index % 2], api_key=USER_KEY)
+
+    with ThreadPoolExecutor(6) as pool:
+        made = list(pool.map(create, range(30)))
+    try:
+        spread = Counter(cluster.node_of(sb.id) for sb in made)
+        assert set(spread) == {0, 1, 2} and min(spread.values()) >= 5, spread
+        for index, node in enumerate(cluster.nodes):  # the node holds it, no other does
+            sb = next(s for s in made if cluster.node_of(s.id) == index)
+            for other_node in cluster.nodes:
+                with other_node.client(NODE_KEY) as http:
+                    found = http.get(f"/v1/sandboxes/{sb.id}").status_code
+                assert found == (200 if other_node is node else 404)
+        workspace = tmp_path / "ws"
+        workspace.mkdir()
+        workspace.chmod(0o777)
+        with Sandbox(url=one, api_key=USER_KEY, workspace=str(workspace)) as sb, \
+                Sandbox.connect(sb.id, url=other, api_key=USER_KEY) as again:
+            assert again.run_code("import socket; socket.gethostname()").text == repr(sb.id)
+            again.run_code("value = 'parent'")
+            kids = again.fork(2)
+            assert {cluster.node_of(k.id) for k in kids} == {cluster.node_of(sb.id)}
+            assert kids[0].run_code("value").text == "'parent'"
+            kids[1].run_code("value = 'winner'")
+            kids[1].files.write(f"{workspace}/made.txt", "from a branch")
+            kids[1].files.write("/root/branch.txt", "only here")
+            assert kids[0].diff(kids[1], paths=["/root"])["added"] == ["/root/branch.txt"]
+            again.merge_into(kids[1])
+            assert again.run_code("value").text == "'winner'"
+            assert again.files.read(f"{workspace}/made.txt") == b"from a branch"
+            again.commit()
+            assert (workspace / "made.txt").read_text() == "from a branch"
+            kids[0].close()
+    finally:
+        with ThreadPoolExecutor(6) as pool:
+            list(pool.map(lambda sb: sb.close(), made))
+
+
+def test_keys_the_gateway_takes_and_the_nodes_take(cluster: Cluster) -> None:
+    """Clients show the gateway their key; nodes take only the internal node key."""
+    gateway, node = cluster.gateways[0].url, cluster.nodes[0].url
+    assert httpx.get(f"{gateway}/v1/sandboxes").status_code == 401
+    refused = httpx.get(f"{gateway}/v1/sandboxes",
+                        headers={"Authorization": f"Bearer {NODE_KEY}"})
+    assert refused.status_code == 401 and refused.json()["type"] == "AuthError"
+    assert httpx.get(f"{node}/v1/sandboxes", headers=USER).status_code == 401
+    assert httpx.get(f"{gateway}/v1/sandboxes", headers=USER).status_code == 200
+    with pytest.raises(Exception, match="403|1008"), connect(
+            gateway.replace("http", "ws") + "/v1/calls",
+            additional_headers={"Authorization": "Bearer wrong"}) as ws:
+        ws.recv(timeout=10)
+
+
+def test_one_calls_connection_serves_sandboxes_on_every_node(cluster: Cluster) -> None:
+    """The SDK's calls WebSocket carries runs for sandboxes on three nodes at once; an id
+    no node has, or a bad message, is answered as a daemon answers them."""
+    gateway = cluster.gateways[1].url
+    per_node: dict[int, Sandbox] = {}
+    made = []
+    try:
+        while len(per_node) < 3:
+            sb = Sandbox(url=gateway, api_key=USER_KEY)
+            made.append(sb)
+            per_node.setdefault(cluster.node_of(sb.id), sb)
+        with connect(gateway.replace("http", "ws") + "/v1/calls",
+                     additional_headers=USER) as ws:
+            for run, sb in enumerate(per_node.values()):
+                ws.send(json.dumps({"id": run, "op": "run_code", "sandbox": sb.id,
+                                    "body": {"code": "import time; time.sleep(0.3); 6 * 7"}}))
+            ws.send(json.dumps({"id": 7, "op": "run_code", "sandbox": "sbx_" + "ab" * 16,
+                                "body": {"code": "1"}}))
+            finals: dict[int, dict] = {}
+            while len(finals) < 4:
+                message = json.loads(ws.recv(timeout=60))
+                if message["line"]["type"] in ("result", "error"):
+                    finals[message["id"]] = message["line"]
+            assert finals[7]["status"] == 404 and finals[7]["kind"] == "SandboxNotFound"
+            for run in range(3):
+                assert finals[run]["type"] == "result", finals[run]
+            ws.send("not json")
+            with pytest.raises(Exception, match="1007"):
+                ws.recv(timeout=10)
+    finally:
+        for sb in made:
+            sb.close()
+
+
+def test_listings_and_events_are_every_nodes(cluster: Cluster) -> None:
+    gateway = cluster.gateways[0].url
+    seen: list[dict] = []
+    streaming = threading.Event()
+
+    def listen() -> None:
+        with httpx.stream("GET", f"{gateway}/v1/events", headers=USER,
+                          timeout=httpx.Timeout(60, read=60)) as reply:
+            streaming.set()
+            for line in reply.iter_lines():
+                if line.startswith("data: "):
+                    seen.append(json.loads(line[6:]))
+                    if len({e.get("node") for e in seen if e.get("type") == "create"}) == 3:
+                        return
+
+    listener = threading.Thread(target=listen, daemon=True)
+    listener.start()
+    assert streaming.wait(30)
+    made = []
+    try:
+        while len({cluster.node_of(sb.id) for sb in made}) < 3:
+            made.append(Sandbox(url=gateway, api_key=USER_KEY))
+        listed = httpx.get(f"{gateway}/v1/sandboxes", headers=USER).json()["sandboxes"]
+        assert {sb.id for sb in made} <= {s["id"] for s in listed}
+        e2b = httpx.get(f"{gateway}/v2/sandboxes", params={"limit": 2},
+                        headers={"X-API-Key": USER_KEY})
+        assert e2b.status_code == 200 and len(e2b.json()) == 2
+        rest = httpx.get(f"{gateway}/v2/sandboxes", headers={"X-API-Key": USER_KEY},
+                         params={"limit": 1000, "nextToken": e2b.headers["X-Next-Token"]})
+        ids = [s["sandboxID"] for s in e2b.json() + rest.json()]
+        assert len(ids) == len(set(ids)) and {sb.id for sb in made} <= set(ids)
+        listener.join(30)
+        created = {e["node"] for e in seen if e.get("type") == "create"}
+        assert created == {"node-0", "node-1", "node-2"}, seen
+        assert not any("id" in e for e in seen)  # node-local ids are left out
+    finally:
+        for sb in made:
+            sb.close()
+
+
+def test_podflare_and_e2b_clients_through_the_gateway(cluster: Cluster) -> None:
+    gateway = cluster.gateways[1].url
+    try:
+        with podflare.Sandbox(host=gateway, api_key=USER_KEY) as sb:
+            sb.run_code("value = 'parent'")
+            children = sb.fork(n=2)
+            children[1].run_code("value = 'child'")
+            sb.merge_into(children[1])
+            assert sb.run_code("print(value)").stdout == "child"
+            children[0].close()
+    finally:
+        podflare.close_default_client()
+    script = """
+        import json
+        from e2b_code_interpreter import Sandbox
+        with Sandbox.create() as sbx:
+            sbx.run_code("x = 20")
+            text = sbx.run_code("x + 1").text
+            sbx.files.write("/home/user/a.txt", "through the gateway")
+            read = sbx.files.read("/home/user/a.txt")
+            out = sbx.commands.run("echo $((6 * 7))").stdout
+            print(json.dumps({"id": sbx.sandbox_id, "text": text, "read": read, "out": out}))
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
+    env.update(E2B_API_URL=gateway, E2B_SANDBOX_URL=gateway, E2B_API_KEY=USER_KEY)
+    done = subprocess.run([str(sdk_python()), "-c", __import__("textwrap").dedent(script)],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["text"] == "21" and out["read"] == "through the gateway"
+    assert out["out"] == "42\n" and out["id"][4:12] in cluster.tags
+
+
+def test_a_node_down_and_back(cluster: Cluster) -> None:
+    """A node killed: its sandboxes are unavailable, the others serve on, creates go to
+    the nodes that are up; restarted on its data directory, its sandboxes come back."""
+    gateway = cluster.gateways[0].url
+    made = []
+    while {cluster.node_of(sb.id) for sb in made} != {0, 1, 2}:
+        made.append(Sandbox(url=gateway, api_key=USER_KEY))
+    victim = next(sb for sb in made if cluster.node_of(sb.id) == 2)
+    victim.run_code("kept = 'state'")
+    survivors = [sb for sb in made if cluster.node_of(sb.id) != 2]
+    node = cluster.nodes[2]
+    node.proc.kill()  # as a crash: its sandboxes run on, the restart re-attaches them
+    node.proc.wait()
+    try:
+        with pytest.raises(NodeUnavailable, match="node-2"):
+            victim.run_code("kept")
+        for sb in survivors:
+            assert sb.run_code("1 + 1").text == "2"
+        listed = httpx.get(f"{gateway}/v1/sandboxes", headers=USER)
+        assert listed.headers["X-Branchbox-Unavailable"] == "node-2"
+        fresh = [Sandbox(url=gateway, api_key=USER_KEY) for _ in range(4)]
+        assert {cluster.node_of(sb.id) for sb in fresh} <= {0, 1}
+        for sb in fresh:
+            sb.close()
+        with pytest.raises(SandboxNotFound):
+            Sandbox.connect("sbx_" + "0" * 32, url=gateway, api_key=USER_KEY)
+    finally:
+        cluster.nodes[2] = ServedDaemon("gw-n2", env_with_key(NODE_KEY), "--node", "node-2",
+                                        data_dir=node.data_dir, port=node.port)
+    assert eventually(lambda: all(n["up"] for n in cluster.gateways[0].nodes()), within=30)
+    assert victim.run_code("kept").text == "'state'"
+    for sb in made:
+        sb.close()
