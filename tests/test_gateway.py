@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
+import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 from collections import Counter
@@ -26,54 +25,27 @@ import httpx
 import podflare
 import pytest
 from e2b_sdk import sdk_python
-from served import ServedDaemon, env_with_key, wait_started
+from served import ServedDaemon, env_with_key
 from waiting import eventually
 from websockets.sync.client import connect
 
 from branchbox import NodeUnavailable, Sandbox, SandboxNotFound
+from branchbox.bench.daemon import Gateway
 
 NODE_KEY = "gw-test-node-key"
 USER_KEY = "gw-test-user-key"
 USER = {"Authorization": f"Bearer {USER_KEY}"}
 
 
-class Gateway:
-    """A ``branchbox gateway`` process on a free loopback port."""
-
-    def __init__(self, nodes: list[str]) -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = Path(tempfile.mkstemp(prefix="branchbox-gateway-", suffix=".log")[1])
-        env = {**env_with_key(USER_KEY), "BRANCHBOX_NODE_KEY": NODE_KEY}
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "branchbox", "gateway", "--nodes", ",".join(nodes),
-                 "--port", str(port)],
-                env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        wait_started(self.proc, self._healthy, self.stop, "the gateway", self.log)
-
-    def _healthy(self) -> bool:
-        try:
-            return httpx.get(f"{self.url}/v1/healthz", timeout=2).text == "ok"
-        except httpx.TransportError:
-            return False
-
-    def nodes(self) -> list[dict]:
-        return httpx.get(f"{self.url}/v1/nodes", headers=USER, timeout=10).json()["nodes"]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            assert self.proc.wait(30) == 0, self.log.read_text()
-        self.log.unlink(missing_ok=True)
-
-
 @dataclass
 class Cluster:
     nodes: list[ServedDaemon]
     gateways: list[Gateway]
+
+    def up(self, gateway: int) -> list[dict]:
+        """The nodes gateway ``gateway`` sees up."""
+        return [n for n in httpx.get(f"{self.gateways[gateway].url}/v1/nodes", headers=USER,
+                                     timeout=10).json()["nodes"] if n["up"]]
     tags: dict[str, int]  # node tag -> index in nodes
 
     def node_of(self, sandbox_id: str) -> int:
@@ -88,11 +60,11 @@ def cluster() -> Iterator[Cluster]:
         for index in range(3):
             nodes.append(ServedDaemon(f"gw-n{index}", env_with_key(NODE_KEY),
                                       "--node", f"node-{index}"))
-        gateways = [Gateway([n.url for n in nodes]) for _ in range(2)]
-        assert eventually(lambda: all(len([n for n in g.nodes() if n["up"]]) == 3
-                                      for g in gateways), within=30)
-        tags = {n["tag"]: int(n["name"].removeprefix("node-")) for n in gateways[0].nodes()}
-        yield Cluster(nodes, gateways, tags)
+        gateways = [Gateway([n.url for n in nodes], USER_KEY, NODE_KEY) for _ in range(2)]
+        cluster = Cluster(nodes, gateways, {})
+        assert eventually(lambda: len(cluster.up(0)) == len(cluster.up(1)) == 3, within=30)
+        cluster.tags = {n["tag"]: int(n["name"].removeprefix("node-")) for n in cluster.up(0)}
+        yield cluster
     finally:
         for gateway in gateways:
             gateway.stop()
@@ -295,7 +267,43 @@ def test_a_node_down_and_back(cluster: Cluster) -> None:
     finally:
         cluster.nodes[2] = ServedDaemon("gw-n2", env_with_key(NODE_KEY), "--node", "node-2",
                                         data_dir=node.data_dir, port=node.port)
-    assert eventually(lambda: all(n["up"] for n in cluster.gateways[0].nodes()), within=30)
+    assert eventually(lambda: len(cluster.up(0)) == 3, within=30)
     assert victim.run_code("kept").text == "'state'"
     for sb in made:
         sb.close()
+
+
+def test_one_daemon_at_two_addresses_and_a_copied_store(cluster: Cluster) -> None:
+    """A node listed twice (a dual-stack Service) is one node. A daemon started on a copy
+    of a node's data directory carries that node's tag: the gateway refuses it, saying
+    why, and the node that held the tag first keeps serving."""
+    node = cluster.nodes[0]
+    copy = Path(tempfile.mkdtemp(prefix="branchbox-test-gw-copy-"))
+    shutil.copy(node.data_dir / "node-tag", copy / "node-tag")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    twice = node.url.replace("127.0.0.1", "localhost")
+    made: list[Sandbox] = []
+    with Gateway([node.url, twice, f"http://127.0.0.1:{port}"], USER_KEY, NODE_KEY) as gateway:
+
+        def table() -> list[dict]:
+            return httpx.get(f"{gateway.url}/v1/nodes", headers=USER).json()["nodes"]
+
+        assert eventually(lambda: any(n["up"] and n["name"] == "node-0" for n in table()))
+        twin = ServedDaemon("gw-copy", env_with_key(NODE_KEY), "--node", "copied",
+                            data_dir=copy, port=port)
+        try:
+            assert eventually(lambda: any(n["name"] == "copied" for n in table()), within=15)
+            listed = sorted(table(), key=lambda n: n["name"] != "node-0")
+            assert [(n["name"], n["up"]) for n in listed] == [("node-0", True), ("copied", False)]
+            assert "node-tag" in listed[1]["error"] and listed[0]["tag"] == listed[1]["tag"]
+            while not any(cluster.node_of(sb.id) == 0 for sb in made):
+                made.append(Sandbox(url=cluster.gateways[0].url, api_key=USER_KEY))
+            held = next(sb for sb in made if cluster.node_of(sb.id) == 0)
+            with Sandbox.connect(held.id, url=gateway.url, api_key=USER_KEY) as again:
+                assert again.run_code("6 * 7").text == "42"
+        finally:
+            twin.stop()
+            for sb in made:
+                sb.close()

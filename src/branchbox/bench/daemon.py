@@ -41,9 +41,7 @@ class Daemon:
         self.port: int | None = None
         self.url = f"unix://{socket_path(self.data_dir)}"
         if api_key is not None:
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", 0))
-                self.port = probe.getsockname()[1]
+            self.port = _free_port()
             self.url = f"http://127.0.0.1:{self.port}"
         self.node = node
         self.proc: subprocess.Popen[bytes] | None = None
@@ -84,17 +82,9 @@ class Daemon:
             self.proc.wait()
 
     def _healthy(self) -> bool:
-        """The socket file exists before the engine has started; only healthz tells.
-        A plain socket: httpx leaks one when a unix socket refuses the connection."""
-        try:
-            tcp = self.port is not None
-            with socket.socket(socket.AF_INET if tcp else socket.AF_UNIX) as sock:
-                sock.settimeout(5)
-                sock.connect(("127.0.0.1", self.port) if tcp else str(socket_path(self.data_dir)))
-                sock.sendall(b"GET /v1/healthz HTTP/1.0\r\nHost: branchbox\r\n\r\n")
-                return sock.recv(64).split(b" ")[1:2] == [b"200"]
-        except OSError:
-            return False
+        """The socket file exists before the engine has started; only healthz tells."""
+        return _healthz_ok(("127.0.0.1", self.port) if self.port is not None
+                           else str(socket_path(self.data_dir)))
 
     def __exit__(
         self,
@@ -110,3 +100,59 @@ class Daemon:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()  # SIGTERM closes every sandbox and unmounts the store
             self.proc.wait(120)
+
+
+class Gateway:
+    """``branchbox gateway`` in front of ``nodes`` (their URLs) on a free loopback port,
+    taking ``api_key`` from clients and showing the nodes ``node_key``; stopped on exit."""
+
+    def __init__(self, nodes: list[str], api_key: str, node_key: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(tempfile.mkstemp(prefix="branchbox-gateway-", suffix=".log")[1])
+        env = {**os.environ, "BRANCHBOX_API_KEY": api_key, "BRANCHBOX_NODE_KEY": node_key}
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "branchbox", "gateway", "--nodes", ",".join(nodes),
+                 "--port", str(self.port)],
+                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while not _healthz_ok(("127.0.0.1", self.port)):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise DaemonError(f"the gateway did not start:\n{self.log_path.read_text()}")
+            time.sleep(0.02)
+
+    def __enter__(self) -> Gateway:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """SIGTERM, which it answers with a clean exit (status 0, checked)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            if self.proc.wait(30) != 0:
+                raise DaemonError(f"the gateway's stop failed:\n{self.log_path.read_text()}")
+        self.log_path.unlink(missing_ok=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _healthz_ok(address: tuple[str, int] | str) -> bool:
+    """Whether ``GET /v1/healthz`` answers 200 at a TCP or unix socket address. A plain
+    socket: httpx leaks one when a unix socket refuses the connection."""
+    try:
+        with socket.socket(socket.AF_UNIX if isinstance(address, str) else socket.AF_INET) \
+                as sock:
+            sock.settimeout(5)
+            sock.connect(address)
+            sock.sendall(b"GET /v1/healthz HTTP/1.0\r\nHost: branchbox\r\n\r\n")
+            return sock.recv(64).split(b" ")[1:2] == [b"200"]
+    except OSError:
+        return False

@@ -27,11 +27,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
-from branchbox.engine.node import tag_of
 from branchbox.gateway import fanout
 from branchbox.gateway.calls import MAX_MESSAGE, calls
-from branchbox.gateway.forward import TIMEOUT, Credentials, error, forward, unavailable
-from branchbox.gateway.nodes import REFRESH_SECONDS, Node, Nodes, NoNode
+from branchbox.gateway.forward import TIMEOUT, Credentials, error, forward
+from branchbox.gateway.nodes import REFRESH_SECONDS, Node, Nodes, NoNode, Unroutable
 from branchbox.gateway.routing import CREATES, LISTINGS, image_of_create, sandbox_named
 from branchbox.server.e2b_access import addressed
 from branchbox.server.relaying import relay, subprotocols
@@ -93,11 +92,10 @@ async def _http(request: Request) -> Response:
     path, method = request.url.path, request.method
     sandbox = sandbox_named(path, request.headers)
     if sandbox is not None:
-        node = nodes.holder(tag_of(sandbox))
-        if node is None:
-            return error(404, "sandbox not found", "SandboxNotFound")
-        if not node.up:
-            return unavailable(node, f"sandbox {sandbox}")
+        try:
+            node = nodes.holder(sandbox)
+        except Unroutable as exc:
+            return error(exc.status, exc.message, exc.kind, **_retry(exc))
         return await forward(request, node, nodes, state.client, credentials,
                              what=f"sandbox {sandbox}")
     if not credentials.client_ok(request.headers):
@@ -115,6 +113,10 @@ async def _http(request: Request) -> Response:
     except NoNode as exc:
         return error(503, str(exc), "NodeUnavailable", **{"Retry-After": "5"})
     return await forward(request, node, nodes, state.client, credentials)
+
+
+def _retry(exc: Unroutable) -> dict[str, str]:
+    return {"Retry-After": "5"} if exc.status == 503 else {}
 
 
 def _any(nodes: Nodes) -> Node:
@@ -172,11 +174,10 @@ async def _everywhere(request: Request, nodes: Nodes, client: httpx.AsyncClient,
 async def _websocket(ws: WebSocket) -> None:
     """A WebSocket to a sandbox's port, relayed to the sandbox's node."""
     nodes: Nodes = ws.app.state.nodes
-    sandbox = sandbox_named(ws.url.path, ws.headers)
-    node = nodes.holder(tag_of(sandbox)) if sandbox else None
-    if node is None or not node.up:
-        await ws.close(code=1008 if node is None else 1011,
-                       reason="sandbox not found" if node is None else "its node is unavailable")
+    try:
+        node = nodes.holder(sandbox_named(ws.url.path, ws.headers) or "")
+    except Unroutable as exc:
+        await ws.close(code=1008 if exc.status == 404 else 1011, reason=exc.message[:120])
         return
     headers = ws.app.state.credentials.upstream(
         (k, v) for k, v in ws.headers.items()

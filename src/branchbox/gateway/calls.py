@@ -20,10 +20,8 @@ import logging
 import websockets
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from branchbox.engine.node import tag_of
 from branchbox.gateway.forward import Credentials
-from branchbox.gateway.nodes import Node, Nodes
-from branchbox.server.e2b_access import is_sandbox_id
+from branchbox.gateway.nodes import Node, Nodes, Unroutable
 
 log = logging.getLogger("branchbox.gateway")
 FINAL = ("result", "exit", "error")  # a run's last line (as the SDK reads it)
@@ -113,13 +111,10 @@ class _Session:
                 await self.links[node].send(text)
             return
         run, sandbox = message["id"], message["sandbox"]
-        node = self.nodes.holder(tag_of(sandbox)) if is_sandbox_id(sandbox) else None
-        if node is None:
-            await self.fail(run, "sandbox not found", "SandboxNotFound", 404)
-            return
-        if not node.up:
-            await self.fail(run, f"sandbox {sandbox} is on node {node.name or node.url}, "
-                                 f"which is unavailable: {node.error}", "NodeUnavailable", 503)
+        try:
+            node = self.nodes.holder(sandbox)
+        except Unroutable as exc:
+            await self.fail(run, exc.message, exc.kind, exc.status)
             return
         try:
             conn = await self.link(node)

@@ -10,13 +10,14 @@ replica learns the same table within one round.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
 
+from branchbox.engine.node import tag_of
+from branchbox.server.e2b_access import is_sandbox_id
 from branchbox.storage.images import KNOWN_IMAGES
 
 log = logging.getLogger("branchbox.gateway")
@@ -53,6 +54,14 @@ class Node:
                                                   "memory_available", "cpus", "load")}}
 
 
+class Unroutable(Exception):
+    """No node that is up holds the sandbox a request names."""
+
+    def __init__(self, message: str, kind: str, status: int) -> None:
+        super().__init__(message)
+        self.message, self.kind, self.status = message, kind, status
+
+
 class NoNode(Exception):
     """No node can take the request: none is up (or none has the image)."""
 
@@ -67,7 +76,7 @@ class Nodes:
         self._auth = {"authorization": f"Bearer {node_key}"} if node_key else {}
         self._refresh = refresh
         self._nodes: dict[str, Node] = {}  # by URL
-        self._seen: dict[str, str] = {}  # tag -> name of every node met (for "unavailable")
+        self._seen: dict[str, str] = {}  # tag -> the name of the node that holds it
         self.ready = asyncio.Event()  # set after the first round
 
     async def run(self) -> None:
@@ -87,16 +96,7 @@ class Nodes:
             return
         self._nodes = {url: self._nodes.get(url) or Node(url) for url in urls}
         await asyncio.gather(*(self._ask(node) for node in self._nodes.values()))
-        owners: dict[str, Node] = {}
-        for url, node in list(self._nodes.items()):  # one tag, one node
-            if not node.up or (first := owners.setdefault(node.tag, node)) is node:
-                continue
-            if node.name == first.name:  # one daemon at two addresses (a dual-stack Service)
-                del self._nodes[url]
-                continue
-            node.up = False  # two daemons started from copies of one data directory
-            node.error = (f"its node tag {node.tag} is also {first.url}'s ({first.name}): "
-                          "remove the node-tag file of one of their data directories")
+        self._one_node_per_tag()
         self.ready.set()
 
     async def _ask(self, node: Node) -> None:
@@ -117,20 +117,48 @@ class Nodes:
             return
         node.tag, node.name, node.report, node.sent = tag, str(report.get("name", "")), report, 0
         node.up, node.error = True, ""
-        self._seen[tag] = node.name or node.url
+
+    def _one_node_per_tag(self) -> None:
+        """A tag names one node. One daemon listed at two addresses (a dual-stack Service)
+        is kept once. Two daemons with one tag were started on copies of one data
+        directory: the one that held the tag before keeps it, the other is refused (both
+        are, when none held it before: which one owns its sandboxes cannot be told)."""
+        groups: dict[str, dict[str, list[Node]]] = {}
+        for node in self.up():
+            groups.setdefault(node.tag, {}).setdefault(node.name, []).append(node)
+        for tag, by_name in groups.items():
+            for same in by_name.values():
+                for extra in same[1:]:
+                    del self._nodes[extra.url]
+            owner = self._seen.get(tag)
+            for name, (node, *_) in by_name.items():
+                if len(by_name) == 1 or name == owner:
+                    self._seen[tag] = name
+                    continue
+                node.up = False
+                node.error = (f"its node tag {tag} is also that of " + ", ".join(
+                    sorted(n for n in by_name if n != name)) + " (a copy of one data "
+                    "directory?): remove the node-tag file of the copy's data directory")
 
     def down(self, node: Node, why: str) -> None:
         """A request found ``node`` not answering: no more are sent to it until it answers
         a report again."""
         node.up, node.error = False, why
 
-    def holder(self, tag: str) -> Node | None:
-        """The node whose sandbox ids carry ``tag`` (up or not); None if no node has it."""
-        return next((node for node in self._nodes.values() if node.tag == tag), None)
-
-    def known(self, tag: str) -> str | None:
-        """The name of a node that had ``tag``, even one that is gone from the list."""
-        return self._seen.get(tag)
+    def holder(self, sandbox_id: str) -> Node:
+        """The node that is up and holds ``sandbox_id`` (its id's tag); Unroutable says
+        why there is none: 404 if no node ever had the tag, 503 if its node is down or
+        gone from the list."""
+        tag = tag_of(sandbox_id) if is_sandbox_id(sandbox_id) else ""
+        nodes = [node for node in self._nodes.values() if node.tag == tag]
+        if up := [node for node in nodes if node.up]:
+            return up[0]
+        if nodes or tag in self._seen:
+            name = nodes[0].name if nodes else self._seen[tag]
+            why = nodes[0].error if nodes else "it is no longer among the nodes"
+            raise Unroutable(f"sandbox {sandbox_id} is on node {name}, which is "
+                             f"unavailable: {why}", "NodeUnavailable", 503)
+        raise Unroutable("sandbox not found", "SandboxNotFound", 404)
 
     def up(self) -> list[Node]:
         return [node for node in self._nodes.values() if node.up]
@@ -156,9 +184,3 @@ def static_source(urls: list[str]) -> Callable[[], Awaitable[list[str]]]:
     async def listed() -> list[str]:
         return list(urls)
     return listed
-
-
-async def stop(task: asyncio.Task) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
