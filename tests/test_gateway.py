@@ -37,6 +37,15 @@ USER_KEY = "gw-test-user-key"
 USER = {"Authorization": f"Bearer {USER_KEY}"}
 
 
+def raw_get(base: str, path: str) -> bytes:
+    """The start of the answer to ``GET path`` sent byte for byte, with the client key."""
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer "
+                     f"{USER_KEY}\r\nConnection: close\r\n\r\n".encode())
+        return sock.recv(4096)
+
+
 @dataclass
 class Cluster:
     nodes: list[ServedDaemon]
@@ -129,6 +138,30 @@ def test_keys_the_gateway_takes_and_the_nodes_take(cluster: Cluster) -> None:
             gateway.replace("http", "ws") + "/v1/calls",
             additional_headers={"Authorization": "Bearer wrong"}) as ws:
         ws.recv(timeout=10)
+    made = httpx.post(f"{gateway}/v2/sandboxes", json={"templateID": "base"},
+                      headers={"X-API-Key": USER_KEY}, timeout=120)
+    assert made.status_code == 201, made.text
+    sandbox_id, token = made.json()["sandboxID"], made.json()["envdAccessToken"]
+    try:  # E2B's sandbox plane: the sandbox's token, checked before anything is passed on
+        host = {"Host": f"49983-{sandbox_id}.sandboxes.example"}
+        assert httpx.get(f"{gateway}/health", headers={**host, "X-Access-Token": token}
+                         ).status_code == 204
+        for refused in (httpx.get(f"{gateway}/health", headers=host),
+                        httpx.get(f"{gateway}/health",
+                                  headers={**host, "X-Access-Token": "0" * 64}),
+                        httpx.get(f"{gateway}/v1/sandboxes/{sandbox_id}")):
+            assert refused.status_code == 401 and refused.json() == {
+                "error": "invalid api key", "type": "AuthError"}  # no node named to strangers
+        mixed = httpx.get(f"{gateway}/v1/sandboxes/{sandbox_id}",
+                          headers={**USER, "E2b-Sandbox-Id": "sbx_" + "ab" * 16})
+        assert mixed.status_code == 400 and "headers" in mixed.json()["error"]
+        # Sent as is (httpx would resolve the dots): routed by its first id, the node
+        # would serve the second.
+        dotted = raw_get(gateway, f"/v1/sandboxes/sbx_{'ab' * 16}/../{sandbox_id}")
+        assert dotted.startswith(b"HTTP/1.1 400"), dotted
+    finally:
+        assert httpx.delete(f"{gateway}/sandboxes/{sandbox_id}",
+                            headers={"X-API-Key": USER_KEY}).status_code == 204
 
 
 def test_one_calls_connection_serves_sandboxes_on_every_node(cluster: Cluster) -> None:
@@ -157,6 +190,19 @@ def test_one_calls_connection_serves_sandboxes_on_every_node(cluster: Cluster) -
             assert finals[7]["status"] == 404 and finals[7]["kind"] == "SandboxNotFound"
             for run in range(3):
                 assert finals[run]["type"] == "result", finals[run]
+        sb = per_node[0]  # E2B's key header on the connection; a run id still going
+        with connect(gateway.replace("http", "ws") + "/v1/calls",
+                     additional_headers={"X-API-Key": USER_KEY}) as ws:
+            slow = {"code": "import time; time.sleep(1); 'slow'"}
+            for _ in range(2):
+                ws.send(json.dumps({"id": 1, "op": "run_code", "sandbox": sb.id, "body": slow}))
+            first = json.loads(ws.recv(timeout=30))
+            assert first["id"] == 1 and first["line"]["status"] == 400, first
+            while (line := json.loads(ws.recv(timeout=30))["line"])["type"] != "result":
+                pass
+            assert line["text"] == "'slow'"
+        with connect(gateway.replace("http", "ws") + "/v1/calls",
+                     additional_headers=USER) as ws:
             ws.send("not json")
             with pytest.raises(Exception, match="1007"):
                 ws.recv(timeout=10)
@@ -275,8 +321,8 @@ def test_a_node_down_and_back(cluster: Cluster) -> None:
 
 def test_one_daemon_at_two_addresses_and_a_copied_store(cluster: Cluster) -> None:
     """A node listed twice (a dual-stack Service) is one node. A daemon started on a copy
-    of a node's data directory carries that node's tag: the gateway refuses it, saying
-    why, and the node that held the tag first keeps serving."""
+    of a node's data directory carries that node's tag: which of the two holds a
+    sandbox with that tag cannot be told, so the gateway refuses both, saying why."""
     node = cluster.nodes[0]
     copy = Path(tempfile.mkdtemp(prefix="branchbox-test-gw-copy-"))
     shutil.copy(node.data_dir / "node-tag", copy / "node-tag")
@@ -296,13 +342,16 @@ def test_one_daemon_at_two_addresses_and_a_copied_store(cluster: Cluster) -> Non
         try:
             assert eventually(lambda: any(n["name"] == "copied" for n in table()), within=15)
             listed = sorted(table(), key=lambda n: n["name"] != "node-0")
-            assert [(n["name"], n["up"]) for n in listed] == [("node-0", True), ("copied", False)]
-            assert "node-tag" in listed[1]["error"] and listed[0]["tag"] == listed[1]["tag"]
+            assert [(n["name"], n["up"]) for n in listed] == [("node-0", False),
+                                                              ("copied", False)]
+            assert all("node-tag" in n["error"] for n in listed)
+            assert listed[0]["tag"] == listed[1]["tag"]
             while not any(cluster.node_of(sb.id) == 0 for sb in made):
                 made.append(Sandbox(url=cluster.gateways[0].url, api_key=USER_KEY))
             held = next(sb for sb in made if cluster.node_of(sb.id) == 0)
-            with Sandbox.connect(held.id, url=gateway.url, api_key=USER_KEY) as again:
-                assert again.run_code("6 * 7").text == "42"
+            with pytest.raises(NodeUnavailable, match="copy"):  # which one holds it? neither
+                Sandbox.connect(held.id, url=gateway.url, api_key=USER_KEY)
+            assert held.run_code("6 * 7").text == "42"  # the cluster's gateways: no copy
         finally:
             twin.stop()
             for sb in made:

@@ -210,6 +210,7 @@ def gateway(
     if not keys or not node_key:
         fail("the gateway needs its clients' API key ($BRANCHBOX_API_KEY or --api-keys) and "
              "the nodes' key (--node-key or $BRANCHBOX_NODE_KEY)")
+    on_stop = None
     if nodes is not None:
         urls = [u.strip().rstrip("/") for u in nodes.split(",") if u.strip()]
         if not urls or not all(u.startswith(("http://", "https://")) for u in urls):
@@ -221,9 +222,9 @@ def gateway(
             found = KubernetesNodes(kubernetes, namespace)
         except DiscoveryError as exc:
             fail(str(exc))
-        source = found.urls
+        source, on_stop = found.urls, found.aclose
     try:
-        serve_gateway(source, host, port, api_keys=keys, node_key=node_key,
+        serve_gateway(source, host, port, api_keys=keys, node_key=node_key, on_stop=on_stop,
                       on_listening=(lambda url: emit_json({"listening": url})) if as_json
                       else (lambda url: out.print(f"branchbox gateway listening on {url}")))
     except OSError as exc:

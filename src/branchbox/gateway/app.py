@@ -1,9 +1,11 @@
 """The gateway's ASGI application: every request to the node that can answer it.
 
-- A request that names a sandbox (``routing.sandbox_named``) goes to the node its id
-  names: 404 when no node has that tag, 503 ``NodeUnavailable`` when that node is down.
-- A create goes to the least-loaded node that is up and has the image; if that node
-  cannot be reached, to the next (nothing was made on the first).
+- A request that names a sandbox (``routing.sandbox_named``) must show a client key or
+  that sandbox's E2B access token; it goes to the node the id names: 404 when no node
+  has that tag, 503 ``NodeUnavailable`` when that node is down.
+- Every other request must show a client key. A create goes to the least-loaded node
+  that is up and has the image; if that node cannot be connected to, to the next
+  (nothing was made on the first).
 - Listings and events are every node's, merged (``fanout``); an image build goes to the
   least-loaded node (later creates of that image go where it is), an image's removal
   to every node.
@@ -22,37 +24,55 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 import httpx
 import websockets
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from branchbox.gateway import fanout
-from branchbox.gateway.calls import MAX_MESSAGE, calls
-from branchbox.gateway.forward import TIMEOUT, Credentials, error, forward
+from branchbox.gateway.calls import MAX_MESSAGE, QUEUE, calls
+from branchbox.gateway.forward import (
+    TIMEOUT,
+    Credentials,
+    NodeDown,
+    error,
+    forward,
+    unavailable,
+)
 from branchbox.gateway.nodes import REFRESH_SECONDS, Node, Nodes, NoNode, Unroutable
-from branchbox.gateway.routing import CREATES, LISTINGS, image_of_create, sandbox_named
+from branchbox.gateway.routing import (
+    CREATES,
+    LISTINGS,
+    Misaddressed,
+    image_of_create,
+    sandbox_named,
+)
 from branchbox.server.e2b_access import addressed
+from branchbox.server.ports import METHODS
 from branchbox.server.relaying import relay, subprotocols
 
 MAX_CREATE_BODY = 1 << 20  # a create's JSON: env, network policy; read whole to pick a node
-_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+SHORT_CALL = 60.0  # seconds for calls the gateway makes on its own (an image's removal)
 
 
-def create_gateway(source: Callable[[], Awaitable[list[str]]], *, api_keys: Iterable[str] = (),
-                   node_key: str | None = None,
-                   refresh: float = REFRESH_SECONDS) -> Starlette:
+def create_gateway(source: Callable[[], Awaitable[list[str]]], *, api_keys: Iterable[str],
+                   node_key: str, refresh: float = REFRESH_SECONDS,
+                   on_stop: Callable[[], Awaitable[None]] | None = None) -> Starlette:
     """The gateway over the nodes whose URLs ``source`` lists (a static list, or
-    ``discovery.KubernetesNodes.urls``). With ``api_keys``, clients must show one; nodes
-    are shown ``node_key`` instead."""
+    ``discovery.KubernetesNodes.urls``; ``on_stop`` closes what it holds). Clients must
+    show one of ``api_keys``; nodes are shown ``node_key`` instead."""
+    credentials = Credentials(api_keys, node_key)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         client = httpx.AsyncClient(timeout=TIMEOUT, trust_env=False, follow_redirects=False,
                                    limits=httpx.Limits(max_connections=1024,
-                                                       max_keepalive_connections=128))
+                                                       max_keepalive_connections=128,
+                                                       keepalive_expiry=2.0))
+        own = httpx.AsyncClient(trust_env=False)  # reports: never queued behind requests
         app.state.client = client
-        app.state.nodes = nodes = Nodes(source, client, node_key, refresh=refresh)
+        app.state.nodes = nodes = Nodes(source, own, node_key, refresh=refresh)
         await nodes.refresh()  # the first table before the first request
         refreshing = asyncio.create_task(nodes.run())
         try:
@@ -62,16 +82,29 @@ def create_gateway(source: Callable[[], Awaitable[list[str]]], *, api_keys: Iter
             with contextlib.suppress(asyncio.CancelledError):
                 await refreshing
             await client.aclose()
+            await own.aclose()
+            if on_stop is not None:
+                await on_stop()
 
     app = Starlette(lifespan=lifespan, routes=[
         Route("/v1/healthz", _healthz),
         Route("/v1/nodes", _nodes),
         WebSocketRoute("/v1/calls", calls),
         WebSocketRoute("/{path:path}", _websocket),
-        Route("/{path:path}", _http, methods=_METHODS),
-    ])
-    app.state.credentials = Credentials(api_keys, node_key)
+        Route("/{path:path}", _http, methods=METHODS),
+    ], exception_handlers={HTTPException: _http_error, Exception: _internal_error})
+    app.state.credentials = credentials
     return app
+
+
+async def _http_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return error(exc.status_code, str(exc.detail), "InvalidRequest")
+
+
+async def _internal_error(_: Request, exc: Exception) -> Response:
+    return error(500, f"internal error in the gateway: {type(exc).__name__}: {exc}",
+                 "SandboxError")
 
 
 async def _healthz(_: Request) -> Response:
@@ -80,25 +113,35 @@ async def _healthz(_: Request) -> Response:
 
 
 async def _nodes(request: Request) -> Response:
+    """The node table: each node's URL, tag, name, whether it is up (or why not), load."""
     if not request.app.state.credentials.client_ok(request.headers):
         return error(401, "invalid api key", "AuthError")
     return JSONResponse({"nodes": request.app.state.nodes.describe()})
 
 
 async def _http(request: Request) -> Response:
+    """Any HTTP request but the gateway's own (see the module's docstring)."""
     state = request.app.state
     nodes: Nodes = state.nodes
     credentials: Credentials = state.credentials
     path, method = request.url.path, request.method
-    sandbox = sandbox_named(path, request.headers)
+    keyed = credentials.client_ok(request.headers)
+    try:
+        sandbox = None if (method, path) in CREATES else sandbox_named(path, request.headers)
+    except Misaddressed as exc:
+        return error(400, str(exc), "InvalidRequest")
     if sandbox is not None:
+        if not (keyed or credentials.may_reach(request.headers, sandbox)):
+            return error(401, "invalid api key", "AuthError")
         try:
-            node = nodes.holder(sandbox)
+            return await forward(request, nodes.holder(sandbox), state.client, credentials)
         except Unroutable as exc:
-            return error(exc.status, exc.message, exc.kind, **_retry(exc))
-        return await forward(request, node, nodes, state.client, credentials,
-                             what=f"sandbox {sandbox}")
-    if not credentials.client_ok(request.headers):
+            return error(exc.status, exc.message, exc.kind)
+        except NodeDown as exc:
+            nodes.down(exc.node, exc.why)
+            return unavailable(f"sandbox {sandbox} is on node {exc.node.label}, which does "
+                               f"not answer: {exc.why}")
+    if not keyed:
         return error(401, "invalid api key", "AuthError")
     if (method, path) in CREATES:
         return await _create(request, nodes, state.client, credentials)
@@ -108,28 +151,41 @@ async def _http(request: Request) -> Response:
         return await fanout.events(request, nodes, state.client, credentials)
     if method == "DELETE" and path.startswith("/v1/images/"):
         return await _everywhere(request, nodes, state.client, credentials)
-    try:  # an image build, the API's schema, a path no route has: any node answers alike
-        node = nodes.pick() if (method, path) == ("POST", "/v1/images") else _any(nodes)
-    except NoNode as exc:
-        return error(503, str(exc), "NodeUnavailable", **{"Retry-After": "5"})
-    return await forward(request, node, nodes, state.client, credentials)
-
-
-def _retry(exc: Unroutable) -> dict[str, str]:
-    return {"Retry-After": "5"} if exc.status == 503 else {}
+    # An image build, the API's schema, a route no node has: one node answers for all.
+    return await _to_one(request, nodes, state.client, credentials,
+                         lambda: nodes.pick() if (method, path) == ("POST", "/v1/images")
+                         else _any(nodes))
 
 
 def _any(nodes: Nodes) -> Node:
-    up = nodes.up()
-    if not up:
+    if not (up := nodes.up()):
         raise NoNode("no node is up")
     return up[0]
 
 
+async def _to_one(request: Request, nodes: Nodes, client: httpx.AsyncClient,
+                  credentials: Credentials, choose: Callable[[], Node],
+                  body: bytes | None = None) -> Response:
+    """``request`` to the node ``choose`` gives, or to the next one while none can be
+    connected to (nothing reached those)."""
+    tried: set[Node] = set()
+    while True:
+        try:
+            node = choose()
+        except NoNode as exc:
+            return unavailable(str(exc))
+        if node in tried:  # chosen again: every node that is up failed just now
+            return unavailable(f"no node could be reached: {node.error}")
+        tried.add(node)
+        try:
+            return await forward(request, node, client, credentials, body=body)
+        except NodeDown as exc:
+            nodes.down(exc.node, exc.why)
+
+
 async def _create(request: Request, nodes: Nodes, client: httpx.AsyncClient,
                   credentials: Credentials) -> Response:
-    """A create to the least-loaded node with its image; on to the next if that node does
-    not answer at all (nothing was made there)."""
+    """A create to the least-loaded node with its image."""
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
@@ -138,60 +194,64 @@ async def _create(request: Request, nodes: Nodes, client: httpx.AsyncClient,
                          "PayloadTooLarge")
     try:
         image = image_of_create(request.url.path, json.loads(body or b"{}"))
-    except ValueError:
+    except (ValueError, RecursionError):
         image = None  # the node says what is wrong with the body
-    tried: set[Node] = set()
-    while True:
-        try:
-            node = nodes.pick(image)
-        except NoNode as exc:
-            return error(503, str(exc), "NodeUnavailable", **{"Retry-After": "5"})
-        if node in tried:  # picked again: every candidate failed this time
-            return error(503, f"no node answered the create: {node.error}", "NodeUnavailable")
-        tried.add(node)
-        reply = await forward(request, node, nodes, client, credentials, body=bytes(body))
-        if not (reply.status_code == 503 and not node.up):
-            return reply
+    return await _to_one(request, nodes, client, credentials, lambda: nodes.pick(image),
+                         bytes(body))
 
 
 async def _everywhere(request: Request, nodes: Nodes, client: httpx.AsyncClient,
                       credentials: Credentials) -> Response:
-    """An image's removal on every node that is up: done if any node removed it, else the
-    first refusal (each node only knows its own images)."""
-    headers = credentials.upstream(request.headers.items())
+    """An image's removal on every node that is up: each only knows its own images, so
+    404s are nodes without it; any other refusal (in use: 409) is the answer."""
+    headers = credentials.upstream(request.headers.items(), keyed=True)
     answers = await asyncio.gather(*(
-        client.request(request.method, node.url + request.url.path, headers=headers)
+        client.request(request.method, node.url + request.url.path, headers=headers,
+                       timeout=SHORT_CALL)
         for node in nodes.up()), return_exceptions=True)
     replies = [a for a in answers if isinstance(a, httpx.Response)]
-    if any(r.status_code == 204 for r in replies):
+    refusals = [r for r in replies if r.status_code not in (204, 404)]
+    if len(replies) < len(answers):
+        return unavailable("not every node could be asked to remove the image; retry")
+    if not refusals and any(r.status_code == 204 for r in replies):
         return Response(status_code=204)
     if not replies:
-        return error(503, "no node is up", "NodeUnavailable")
-    return Response(replies[0].content, status_code=replies[0].status_code,
-                    media_type=replies[0].headers.get("content-type"))
+        return unavailable("no node is up")
+    first = (refusals or replies)[0]
+    return Response(first.content, status_code=first.status_code,
+                    media_type=first.headers.get("content-type"))
 
 
 async def _websocket(ws: WebSocket) -> None:
     """A WebSocket to a sandbox's port, relayed to the sandbox's node."""
     nodes: Nodes = ws.app.state.nodes
+    credentials: Credentials = ws.app.state.credentials
     try:
-        node = nodes.holder(sandbox_named(ws.url.path, ws.headers) or "")
-    except Unroutable as exc:
-        await ws.close(code=1008 if exc.status == 404 else 1011, reason=exc.message[:120])
+        sandbox = sandbox_named(ws.url.path, ws.headers) or ""
+        if not (credentials.client_ok(ws.headers) or credentials.may_reach(ws.headers, sandbox)):
+            await ws.close(code=1008, reason="invalid api key")
+            return
+        node = nodes.holder(sandbox)
+    except (Unroutable, Misaddressed) as exc:
+        await ws.close(code=1011 if getattr(exc, "status", 400) == 503 else 1008,
+                       reason=str(exc)[:120])
         return
-    headers = ws.app.state.credentials.upstream(
-        (k, v) for k, v in ws.headers.items()
-        if not k.startswith("sec-websocket-") and k != "host")
+    headers = credentials.upstream(
+        [(k, v) for k, v in ws.headers.items()
+         if not k.startswith("sec-websocket-") and k != "host"],
+        keyed=credentials.client_ok(ws.headers))
     target = addressed(ws.headers)
     if target is not None and "e2b-sandbox-id" not in ws.headers:  # E2B's Host addressing,
         headers += [("e2b-sandbox-id", target[0]),  # which the node reads from headers too
                     ("e2b-sandbox-port", str(target[1] or ""))]
-    url = "ws" + node.url.removeprefix("http") + ws.url.path + (
-        f"?{ws.url.query}" if ws.url.query else "")
+    path = (ws.scope.get("raw_path") or ws.url.path.encode()).decode("latin-1")
+    query = ws.scope.get("query_string", b"").decode("latin-1")
     try:
-        upstream = await websockets.connect(url, additional_headers=headers,
+        upstream = await websockets.connect(f"{node.ws_url}{path}" + (f"?{query}" if query
+                                                                      else ""),
+                                            additional_headers=headers,
                                             subprotocols=subprotocols(ws), open_timeout=10,
-                                            max_size=MAX_MESSAGE, proxy=None)
+                                            max_size=MAX_MESSAGE, max_queue=QUEUE, proxy=None)
     except (TimeoutError, OSError, websockets.WebSocketException) as exc:
         await ws.close(code=1011, reason=f"the sandbox's node did not take it: {exc}"[:120])
         return

@@ -1,14 +1,16 @@
 """Listings through the gateway: every node's answer, merged into one.
 
 Nodes that are down are left out and named in ``X-Branchbox-Unavailable`` (their
-sandboxes cannot be listed, but the others can). E2B's paged list is paged by the
-gateway itself over the merged rows, oldest first, as one daemon pages it.
+sandboxes cannot be listed, but the others can). A node's refusal of the query (4xx)
+is the answer, as every node would give it. E2B's paged list is paged by the gateway
+itself over the merged rows, oldest first.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
@@ -17,42 +19,45 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from branchbox.gateway.forward import UNREACHABLE, Credentials, error
-from branchbox.gateway.nodes import Node, Nodes
+from branchbox.gateway.forward import Credentials, error
+from branchbox.gateway.nodes import REFRESH_SECONDS, Node, Nodes
 
 MAX_PAGE = 1000  # a daemon's largest page of E2B's list: what the gateway asks each for
 KEEPALIVE_SECONDS = 15.0
+LISTING_TIMEOUT = 30.0
+EVENTS_KEPT = 4096  # per subscriber: a client that reads slower loses events (and is told)
 
 
 async def _ask_all(request: Request, nodes: Nodes, client: httpx.AsyncClient,
                    credentials: Credentials, params: dict[str, str]
                    ) -> tuple[list[tuple[Node, object]], list[Node], Response | None]:
-    """(node, JSON answer) of every node that is up, the nodes that failed, and the first
-    error answer a node gave (a bad query is every node's 400)."""
-    headers = credentials.upstream(request.headers.items())
+    """(node, JSON answer) of every node that is up and answered, the nodes that did not,
+    and the first refusal (4xx) a node gave."""
+    headers = credentials.upstream(request.headers.items(), keyed=True)
 
     async def one(node: Node) -> tuple[Node, httpx.Response | None]:
         try:
             return node, await client.get(node.url + request.url.path, params=params,
-                                          headers=headers, timeout=30.0)
-        except UNREACHABLE as exc:
-            nodes.down(node, f"{type(exc).__name__}: {exc}")
+                                          headers=headers, timeout=LISTING_TIMEOUT)
+        except httpx.HTTPError:
             return node, None
 
     answers, failed = [], []
     for node, reply in await asyncio.gather(*(one(n) for n in nodes.up())):
-        if reply is None:
-            failed.append(node)
-        elif reply.status_code != 200:
+        if reply is not None and 400 <= reply.status_code < 500:
             return [], [], Response(reply.content, status_code=reply.status_code,
                                     media_type=reply.headers.get("content-type"))
-        else:
+        try:
+            if reply is None or reply.status_code != 200:
+                raise ValueError(reply)
             answers.append((node, reply.json()))
+        except ValueError:
+            failed.append(node)
     return answers, failed, None
 
 
 def _unavailable(nodes: Nodes, failed: list[Node]) -> dict[str, str]:
-    down = {n.name or n.url for n in failed} | {
+    down = {n.label for n in failed} | {
         d["name"] or d["url"] for d in nodes.describe() if not d["up"]}
     return {"X-Branchbox-Unavailable": ",".join(sorted(down))} if down else {}
 
@@ -80,11 +85,12 @@ async def listing(request: Request, nodes: Nodes, client: httpx.AsyncClient,
     merge: Callable[[list[tuple[Node, object]]], object] = {
         "/v1/sandboxes": lambda a: {"sandboxes": [s for _, r in a for s in r["sandboxes"]]},
         "/v1/images": _images,
-    }.get(path, lambda a: sorted((s for _, r in a for s in r),
-                                 key=lambda s: (s.get("startedAt") or "", s.get("sandboxID"))))
-    merged = merge(answers)
-    if paged:
-        assert isinstance(merged, list)
+    }.get(path, _rows)
+    try:
+        merged = merge(answers)
+    except (LookupError, TypeError):
+        return error(502, "a node answered the listing with something else", "NodeUnavailable")
+    if paged and isinstance(merged, list):
         if len(merged) > offset + limit:
             headers["X-Next-Token"] = base64.urlsafe_b64encode(
                 json.dumps({"gateway_offset": offset + limit}).encode()).decode()
@@ -92,10 +98,21 @@ async def listing(request: Request, nodes: Nodes, client: httpx.AsyncClient,
     return JSONResponse(merged, headers=headers)
 
 
+def _rows(answers: list[tuple[Node, object]]) -> list:
+    """E2B's lists, oldest first over every node."""
+    return sorted((s for _, r in answers for s in r),  # type: ignore[attr-defined]
+                  key=lambda s: (s.get("startedAt") or "", s.get("sandboxID") or ""))
+
+
 def _offset(token: str | None) -> int:
+    """Where a page starts: the offset in the gateway's token (ValueError if it is not
+    one)."""
     if token is None:
         return 0
-    offset = json.loads(base64.urlsafe_b64decode(token.encode()))["gateway_offset"]
+    try:
+        offset = json.loads(base64.urlsafe_b64decode(token.encode()))["gateway_offset"]
+    except (binascii.Error, LookupError, TypeError, UnicodeDecodeError) as exc:
+        raise ValueError(token) from exc
     if not isinstance(offset, int) or offset < 0:
         raise ValueError(token)
     return offset
@@ -105,10 +122,10 @@ def _images(answers: list[tuple[Node, object]]) -> dict:
     """Each image once, with the nodes that have it (built-in ones are every node's)."""
     by_name: dict[str, dict] = {}
     for node, reply in answers:
-        for image in reply["images"]:
+        for image in reply["images"]:  # type: ignore[index]
             seen = by_name.setdefault(image["name"], {**image, "users": [], "nodes": []})
             seen["users"] += image.get("users") or []
-            seen["nodes"].append(node.name or node.url)
+            seen["nodes"].append(node.label)
             seen["built"] = seen["built"] or image.get("built")
     return {"images": list(by_name.values())}
 
@@ -117,31 +134,53 @@ async def events(request: Request, nodes: Nodes, client: httpx.AsyncClient,
                  credentials: Credentials) -> Response:
     """Every node's lifecycle events, live, as one stream. Each event says its ``node``;
     event ids are each node's own, so they are left out, and resuming (``since``,
-    ``Last-Event-ID``) is a node's to offer, not the gateway's."""
+    ``Last-Event-ID``) is a node's to offer, not the gateway's. A node that comes up (or
+    back) later is subscribed to then; one that goes is announced (``node_unavailable``)."""
     if "since" in request.query_params or "last-event-id" in request.headers:
         return error(400, "resuming events is per node: the gateway streams them live only",
                      "InvalidRequest")
-    headers = credentials.upstream(request.headers.items())
-    queue: asyncio.Queue[str] = asyncio.Queue(maxsize=4096)
+    headers = credentials.upstream(request.headers.items(), keyed=True)
+    queue: asyncio.Queue[str] = asyncio.Queue(maxsize=EVENTS_KEPT)
+    lost = 0
+
+    def put(event: dict) -> None:
+        nonlocal lost
+        if queue.full():
+            lost += 1
+            return
+        if lost:
+            queue.put_nowait(f"data: {json.dumps({'type': 'lost', 'count': lost})}\n\n")
+            lost = 0
+        queue.put_nowait(f"data: {json.dumps(event)}\n\n")
 
     async def pump(node: Node) -> None:
-        with contextlib.suppress(*UNREACHABLE, httpx.HTTPError):
+        with contextlib.suppress(httpx.HTTPError):
             async with client.stream("GET", f"{node.url}/v1/events", headers=headers) as reply:
                 async for line in reply.aiter_lines():
                     if not line.startswith("data: "):
                         continue  # ids, retry hints, keep-alives: the gateway sends its own
-                    with contextlib.suppress(ValueError, TypeError):
+                    with contextlib.suppress(ValueError, TypeError, AttributeError):
                         event = json.loads(line[6:])
                         event.pop("id", None)
-                        event["node"] = node.name or node.url
-                        if not queue.full():  # a client that does not read loses events
-                            queue.put_nowait(f"data: {json.dumps(event)}\n\n")
-        gone = {"type": "node_unavailable", "node": node.name or node.url}
-        with contextlib.suppress(asyncio.QueueFull):
-            queue.put_nowait(f"data: {json.dumps(gone)}\n\n")
+                        put({**event, "node": node.label})
+        put({"type": "node_unavailable", "node": node.label})
+
+    async def watch() -> None:
+        """Keep a pump on every node that is up."""
+        pumps: dict[Node, asyncio.Task] = {}
+        try:
+            while True:
+                for node in nodes.up():
+                    if node not in pumps or pumps[node].done():
+                        pumps[node] = asyncio.create_task(pump(node))
+                await asyncio.sleep(REFRESH_SECONDS)
+        finally:
+            for task in pumps.values():
+                task.cancel()
+            await asyncio.gather(*pumps.values(), return_exceptions=True)
 
     async def merged() -> AsyncIterator[str]:
-        pumps = [asyncio.create_task(pump(node)) for node in nodes.up()]
+        watching = asyncio.create_task(watch())
         try:
             yield "retry: 1000\n\n"
             while True:
@@ -150,9 +189,9 @@ async def events(request: Request, nodes: Nodes, client: httpx.AsyncClient,
                 except TimeoutError:
                     yield ": keep-alive\n\n"
         finally:
-            for task in pumps:
-                task.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
+            watching.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watching
 
     return StreamingResponse(merged(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})

@@ -3,8 +3,10 @@
 A sandbox's requests name it in their path (``/v1/sandboxes/{id}/...``, E2B's
 ``/sandboxes/{id}/...``), in E2B's sandbox-plane headers (``E2b-Sandbox-Id``) or Host
 (``<port>-<id>.<domain>``), or, on the calls WebSocket, in each message; the id's tag
-names the node (``engine.node``). A create names no sandbox: it goes to the least-loaded
-node. A listing is every node's, merged.
+names the node (``engine.node``). A request whose path and headers name two different
+sandboxes, or whose path has ``.`` or ``..`` segments (which the node would resolve
+to another path than the one routed), is refused. A create names no sandbox: it goes
+to the least-loaded node. A listing is every node's, merged.
 """
 
 from __future__ import annotations
@@ -23,23 +25,32 @@ LISTINGS = {"/v1/sandboxes", "/sandboxes", "/v2/sandboxes", "/v1/images"}
 """GET routes whose answer is every node's, merged."""
 
 
+class Misaddressed(ValueError):
+    """A request that names its sandbox ambiguously."""
+
+
 def sandbox_named(path: str, headers: Mapping[str, str]) -> str | None:
-    """The sandbox id a request is for: E2B's addressing first (its paths name no
-    sandbox), then the first id in the path; None when it names none."""
+    """The sandbox id a request is for (E2B's addressing, or the first id in the path);
+    None when it names none."""
+    if any(part in (".", "..") for part in path.split("/")):
+        raise Misaddressed("a path with '.' or '..' segments is not routed")
     target = addressed(headers)
-    if target is not None and is_sandbox_id(target[0]):
-        return target[0]
+    by_header = target[0] if target is not None and is_sandbox_id(target[0]) else None
     match = _IN_PATH.search(path)
-    return match.group(1) if match else None
+    in_path = match.group(1) if match else None
+    if by_header and in_path and by_header != in_path:
+        raise Misaddressed(f"the request names sandbox {by_header} in its headers and "
+                           f"{in_path} in its path")
+    return by_header or in_path
 
 
 def image_of_create(path: str, body: object) -> str | None:
-    """The image a create's JSON body asks for (E2B calls it a template); None for the
-    default (every node has it)."""
+    """The image a create's JSON body asks for (Podflare calls it a template, E2B a
+    templateID); None for the default (every node has it)."""
     if not isinstance(body, dict):
         return None
     if path == "/v1/sandboxes":
-        image = body.get("image")
+        image = body.get("image", body.get("template"))
     else:
         image = body.get("templateID")
         image = None if image in DEFAULT_TEMPLATES else image

@@ -144,7 +144,7 @@ async def calls(ws: WebSocket) -> None:
             try:
                 if received.get("text") is None:
                     raise BadMessage("messages are JSON text")
-                request = _request(received["text"])
+                request = parse_request(received["text"])
             except BadMessage as exc:
                 await ws.close(code=1007, reason=str(exc)[:120])
                 return
@@ -171,7 +171,7 @@ async def calls(ws: WebSocket) -> None:
         await asyncio.gather(*(task for task, _ in runs.values()), return_exceptions=True)
 
 
-def _request(message: str) -> dict:
+def parse_request(message: str) -> dict:
     """A run or a cancel, its fields checked for type; BadMessage otherwise."""
     try:
         request = json.loads(message)

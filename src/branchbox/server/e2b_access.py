@@ -45,7 +45,7 @@ def access_token(request: Request, sandbox_id: str) -> str | None:
     return _token(keys, sandbox_id) if keys else None
 
 
-def _api_key_ok(keys: frozenset[str], headers: Mapping[str, str]) -> bool:
+def api_key_ok(keys: frozenset[str], headers: Mapping[str, str]) -> bool:
     given = headers.get("x-api-key", "").encode()
     # compare_digest against every key: the time taken says nothing about which was close.
     return any([hmac.compare_digest(given, key.encode()) for key in keys])
@@ -54,7 +54,7 @@ def _api_key_ok(keys: frozenset[str], headers: Mapping[str, str]) -> bool:
 def access_granted(keys: frozenset[str], headers: Mapping[str, str], sandbox_id: str) -> bool:
     """Whether a sandbox-plane request may reach ``sandbox_id``: it shows the sandbox's
     token or one of the daemon's keys (always, on a daemon without keys)."""
-    if not keys or _api_key_ok(keys, headers):
+    if not keys or api_key_ok(keys, headers):
         return True
     expected = _token(keys, sandbox_id).encode()
     given = [headers.get(h, "") for h in ("x-access-token", "e2b-traffic-access-token")]
@@ -80,7 +80,7 @@ def is_sandbox_id(text: str) -> bool:
 async def require_e2b_key(request: Request) -> None:
     """The control plane's check: ``X-API-Key`` is one of the daemon's keys."""
     keys: frozenset[str] = request.app.state.api_keys
-    if keys and not _api_key_ok(keys, request.headers):
+    if keys and not api_key_ok(keys, request.headers):
         raise AuthError()
 
 

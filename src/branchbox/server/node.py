@@ -8,12 +8,17 @@ every few seconds, and sends a create to the least-loaded node that has the imag
 from __future__ import annotations
 
 import os
+import secrets
 
 from fastapi import APIRouter
 
 from branchbox.server.deps import EngineDep
 
 router = APIRouter(prefix="/v1", tags=["server"])
+INSTANCE = secrets.token_hex(8)
+"""This daemon process: a gateway that reaches one node at two addresses (a dual-stack
+Service) sees one instance, and two daemons with one tag (copies of one data directory)
+two."""
 
 
 def _meminfo() -> dict[str, int]:
@@ -34,6 +39,7 @@ async def node(engine: EngineDep) -> dict:
     memory = _meminfo()
     return {
         "tag": engine.node,
+        "instance": INSTANCE,
         "name": engine.config.node_name,
         "sandboxes": len(engine.list()),
         "memory_total": memory.get("MemTotal", 0),

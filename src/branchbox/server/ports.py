@@ -38,7 +38,7 @@ router = APIRouter(prefix="/v1/sandboxes", tags=["ports"])
 # are mounted without it.
 ws_router = APIRouter(prefix="/v1/sandboxes", tags=["ports"])
 
-_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 # Never forwarded either way: connection-specific headers, and the Host (ours).
 _HOP = HOP_BY_HOP | {"host"}
 _CREDENTIALS = {"authorization", "x-api-key", "x-access-token", "e2b-traffic-access-token"}
@@ -74,8 +74,8 @@ def _client(request: Request) -> httpx.AsyncClient:
     return client
 
 
-@router.api_route("/{sandbox_id}/ports/{port}", methods=_METHODS, include_in_schema=False)
-@router.api_route("/{sandbox_id}/ports/{port}/{path:path}", methods=_METHODS)
+@router.api_route("/{sandbox_id}/ports/{port}", methods=METHODS, include_in_schema=False)
+@router.api_route("/{sandbox_id}/ports/{port}/{path:path}", methods=METHODS)
 async def proxy_http(sandbox_id: str, port: int, request: Request, engine: EngineDep,
                      path: str = "") -> StreamingResponse:
     """Forward the request to ``port`` in the sandbox and stream the answer back."""
