@@ -23,7 +23,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from branchbox.gateway.forward import Credentials
 from branchbox.gateway.nodes import Node, Nodes, Unroutable
-from branchbox.server.call_channel import MAX_RUNS, BadMessage, parse_request
+from branchbox.server.call_channel import MAX_RUNS, requests
 from branchbox.server.streams import error_line
 
 FINAL = ("result", "exit", "error")  # a run's last line (as the SDK reads it)
@@ -143,18 +143,8 @@ async def calls(ws: WebSocket) -> None:
     await ws.accept()
     session = _Session(ws, nodes, credentials)
     try:
-        while True:
-            received = await ws.receive()
-            if received["type"] == "websocket.disconnect":
-                return
-            try:
-                if received.get("text") is None:
-                    raise BadMessage("messages are JSON text")
-                message = parse_request(received["text"])
-            except BadMessage as exc:
-                await ws.close(code=1007, reason=str(exc)[:120])
-                return
-            await session.route(received["text"], message)
+        async for text, message in requests(ws):
+            await session.route(text, message)
     except (WebSocketDisconnect, RuntimeError):
         pass
     finally:

@@ -137,17 +137,7 @@ async def calls(ws: WebSocket) -> None:
                 raise Gone() from exc
 
     try:
-        while True:
-            received = await ws.receive()
-            if received["type"] == "websocket.disconnect":
-                return
-            try:
-                if received.get("text") is None:
-                    raise BadMessage("messages are JSON text")
-                request = parse_request(received["text"])
-            except BadMessage as exc:
-                await ws.close(code=1007, reason=str(exc)[:120])
-                return
+        async for _, request in requests(ws):
             run = request.get("cancel")
             if run is not None:
                 if run in runs:
@@ -171,7 +161,24 @@ async def calls(ws: WebSocket) -> None:
         await asyncio.gather(*(task for task, _ in runs.values()), return_exceptions=True)
 
 
-def parse_request(message: str) -> dict:
+async def requests(ws: WebSocket) -> AsyncIterator[tuple[str, dict]]:
+    """Each message of the client and the request it is, until the client closes; a
+    message that is not a request closes the connection (1007) and ends them."""
+    while True:
+        received = await ws.receive()
+        if received["type"] == "websocket.disconnect":
+            return
+        try:
+            if received.get("text") is None:
+                raise BadMessage("messages are JSON text")
+            request = _request(received["text"])
+        except BadMessage as exc:
+            await ws.close(code=1007, reason=str(exc)[:120])
+            return
+        yield received["text"], request
+
+
+def _request(message: str) -> dict:
     """A run or a cancel, its fields checked for type; BadMessage otherwise."""
     try:
         request = json.loads(message)
