@@ -1,11 +1,12 @@
 """Load: many concurrent clients, each creating, running, forking, merging and closing.
 
-    python benchmarks/bench_load.py [--clients 50] [--rounds 3] [--json FILE]
+    python benchmarks/bench_load.py [--clients 50] [--rounds 3] [--json FILE] [--url URL]
 
 Each client (one asyncio task, its own SDK connection) does ``--rounds`` times:
 create a sandbox, run a cell, fork it 2-4 ways, run a cell in a child, merge that
 child back, close everything. It runs against a private daemon (as ``branchbox
-bench`` does), so the numbers include HTTP over the unix socket. Prints p50/p99/max
+bench`` does), so the numbers include HTTP over the unix socket; or, with ``--url``,
+against a running server or gateway (its key in ``$BRANCHBOX_API_KEY``). Prints p50/p99/max
 per operation and the error count, and writes them as JSON. Issue 16's target on a
 2-vCPU machine: p99 create and p99 fork at most 1 s, no errors.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -81,9 +83,12 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, default=Path("bench-results/load.json"))
+    parser.add_argument("--url", help="a running server or gateway instead of a private "
+                                      "daemon (its key in $BRANCHBOX_API_KEY)")
     args = parser.parse_args()
-    with Daemon() as daemon:
-        times, errors, wall = asyncio.run(load(daemon.url, args.clients, args.rounds))
+    with contextlib.nullcontext(args.url) if args.url else Daemon() as target:
+        url = target if isinstance(target, str) else target.url
+        times, errors, wall = asyncio.run(load(url, args.clients, args.rounds))
     rows = {op: {"n": len(v), "p50_ms": 1000 * statistics.median(v),
                  "p99_ms": 1000 * percentile(v, 0.99), "max_ms": 1000 * max(v)}
             for op, v in times.items() if v}
