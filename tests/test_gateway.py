@@ -295,8 +295,15 @@ def test_a_node_down_and_back(cluster: Cluster) -> None:
     victim.run_code("kept = 'state'")
     survivors = [sb for sb in made if cluster.node_of(sb.id) != 2]
     node = cluster.nodes[2]
-    node.proc.kill()  # as a crash: its sandboxes run on, the restart re-attaches them
-    node.proc.wait()
+    started = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(victim.run_code, "print('go', flush=True); import time; "
+                              "time.sleep(5)", on_stdout=lambda _: started.set())
+        assert started.wait(30)
+        node.proc.kill()  # as a crash: its sandboxes run on, the restart re-attaches them
+        node.proc.wait()
+        with pytest.raises(NodeUnavailable, match="lost"):  # a run in flight ends at once
+            running.result(timeout=30)
     try:
         with pytest.raises(NodeUnavailable, match="node-2"):
             victim.run_code("kept")
