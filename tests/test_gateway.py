@@ -134,6 +134,9 @@ def test_keys_the_gateway_takes_and_the_nodes_take(cluster: Cluster) -> None:
     assert refused.status_code == 401 and refused.json()["type"] == "AuthError"
     assert httpx.get(f"{node}/v1/sandboxes", headers=USER).status_code == 401
     assert httpx.get(f"{gateway}/v1/sandboxes", headers=USER).status_code == 200
+    # A browser's cookie need not be ASCII: passed on as bytes, not a 500.
+    assert httpx.get(f"{gateway}/v1/sandboxes", headers={
+        **USER, "Cookie": "name=caf\u00e9".encode()}).status_code == 200
     with pytest.raises(Exception, match="403|1008"), connect(
             gateway.replace("http", "ws") + "/v1/calls",
             additional_headers={"Authorization": "Bearer wrong"}) as ws:
@@ -152,6 +155,9 @@ def test_keys_the_gateway_takes_and_the_nodes_take(cluster: Cluster) -> None:
                         httpx.get(f"{gateway}/v1/sandboxes/{sandbox_id}")):
             assert refused.status_code == 401 and refused.json() == {
                 "error": "invalid api key", "type": "AuthError"}  # no node named to strangers
+        odd_port = httpx.get(f"{gateway}/health", headers={  # a port of "²" (latin-1)
+            "E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": b"\xb2", "X-Access-Token": token})
+        assert odd_port.status_code == 204  # not a port: the sandbox's own envd answers
         mixed = httpx.get(f"{gateway}/v1/sandboxes/{sandbox_id}",
                           headers={**USER, "E2b-Sandbox-Id": "sbx_" + "ab" * 16})
         assert mixed.status_code == 400 and "headers" in mixed.json()["error"]

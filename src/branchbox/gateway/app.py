@@ -25,7 +25,7 @@ import httpx
 import websockets
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
@@ -36,6 +36,7 @@ from branchbox.gateway.forward import (
     TIMEOUT,
     Credentials,
     NodeDown,
+    as_text,
     error,
     forward,
     unavailable,
@@ -71,7 +72,11 @@ def create_gateway(source: Callable[[], Awaitable[list[str]]], *, api_keys: Iter
                                                        max_keepalive_connections=128,
                                                        keepalive_expiry=2.0))
         own = httpx.AsyncClient(trust_env=False)  # reports: never queued behind requests
-        app.state.client = client
+        # Event streams hold a connection to every node for as long as a subscriber
+        # listens: apart from the pool that requests wait for.
+        streams = httpx.AsyncClient(trust_env=False, limits=httpx.Limits(
+            max_connections=None, max_keepalive_connections=0))
+        app.state.client, app.state.streams = client, streams
         app.state.nodes = nodes = Nodes(source, own, node_key, refresh=refresh)
         await nodes.refresh()  # the first table before the first request
         refreshing = asyncio.create_task(nodes.run())
@@ -81,8 +86,8 @@ def create_gateway(source: Callable[[], Awaitable[list[str]]], *, api_keys: Iter
             refreshing.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await refreshing
-            await client.aclose()
-            await own.aclose()
+            for closing in (client, own, streams):
+                await closing.aclose()
             if on_stop is not None:
                 await on_stop()
 
@@ -99,7 +104,9 @@ def create_gateway(source: Callable[[], Awaitable[list[str]]], *, api_keys: Iter
 
 async def _http_error(_: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    return error(exc.status_code, str(exc.detail), "InvalidRequest")
+    answer = error(exc.status_code, str(exc.detail), "InvalidRequest")
+    answer.headers.update(exc.headers or {})  # a 405's Allow
+    return answer
 
 
 async def _internal_error(_: Request, exc: Exception) -> Response:
@@ -148,7 +155,7 @@ async def _http(request: Request) -> Response:
     if method == "GET" and path in LISTINGS:
         return await fanout.listing(request, nodes, state.client, credentials)
     if method == "GET" and path == "/v1/events":
-        return await fanout.events(request, nodes, state.client, credentials)
+        return await fanout.events(request, nodes, state.streams, credentials)
     if method == "DELETE" and path.startswith("/v1/images/"):
         return await _everywhere(request, nodes, state.client, credentials)
     # An image build, the API's schema, a route no node has: one node answers for all.
@@ -187,11 +194,14 @@ async def _create(request: Request, nodes: Nodes, client: httpx.AsyncClient,
                   credentials: Credentials) -> Response:
     """A create to the least-loaded node with its image."""
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_CREATE_BODY:
-            return error(413, f"a create's body is at most {MAX_CREATE_BODY} bytes",
-                         "PayloadTooLarge")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_CREATE_BODY:
+                return error(413, f"a create's body is at most {MAX_CREATE_BODY} bytes",
+                             "PayloadTooLarge")
+    except ClientDisconnect:
+        return Response(status_code=400)  # the client left: nobody reads this
     try:
         image = image_of_create(request.url.path, json.loads(body or b"{}"))
     except (ValueError, RecursionError):
@@ -204,10 +214,10 @@ async def _everywhere(request: Request, nodes: Nodes, client: httpx.AsyncClient,
                       credentials: Credentials) -> Response:
     """An image's removal on every node that is up: each only knows its own images, so
     404s are nodes without it; any other refusal (in use: 409) is the answer."""
-    headers = credentials.upstream(request.headers.items(), keyed=True)
+    headers = credentials.upstream(request.headers.raw, keyed=True)
+    path = (request.scope.get("raw_path") or request.url.path.encode()).decode("latin-1")
     answers = await asyncio.gather(*(
-        client.request(request.method, node.url + request.url.path, headers=headers,
-                       timeout=SHORT_CALL)
+        client.request(request.method, node.url + path, headers=headers, timeout=SHORT_CALL)
         for node in nodes.up()), return_exceptions=True)
     replies = [a for a in answers if isinstance(a, httpx.Response)]
     refusals = [r for r in replies if r.status_code not in (204, 404)]
@@ -236,10 +246,10 @@ async def _websocket(ws: WebSocket) -> None:
         await ws.close(code=1011 if getattr(exc, "status", 400) == 503 else 1008,
                        reason=str(exc)[:120])
         return
-    headers = credentials.upstream(
-        [(k, v) for k, v in ws.headers.items()
-         if not k.startswith("sec-websocket-") and k != "host"],
-        keyed=credentials.client_ok(ws.headers))
+    headers = as_text(credentials.upstream(
+        [(k, v) for k, v in ws.headers.raw
+         if not k.lower().startswith(b"sec-websocket-") and k.lower() != b"host"],
+        keyed=credentials.client_ok(ws.headers)))
     target = addressed(ws.headers)
     if target is not None and "e2b-sandbox-id" not in ws.headers:  # E2B's Host addressing,
         headers += [("e2b-sandbox-id", target[0]),  # which the node reads from headers too

@@ -21,7 +21,7 @@ import json
 import websockets
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from branchbox.gateway.forward import Credentials
+from branchbox.gateway.forward import Credentials, as_text
 from branchbox.gateway.nodes import Node, Nodes, Unroutable
 from branchbox.server.call_channel import MAX_RUNS, requests
 from branchbox.server.streams import error_line
@@ -56,7 +56,7 @@ class _Session:
         when the node cannot be reached, InvalidHandshake when it refuses)."""
         async with self.opening.setdefault(node, asyncio.Lock()):
             if node not in self.links:
-                headers = self.credentials.upstream([], keyed=True)
+                headers = as_text(self.credentials.upstream([], keyed=True))
                 conn = await websockets.connect(f"{node.ws_url}/v1/calls",
                                                 additional_headers=headers, open_timeout=5,
                                                 max_size=MAX_MESSAGE, max_queue=QUEUE,
@@ -87,7 +87,8 @@ class _Session:
             await conn.close()
             orphans = [run for run, owner in self.owner.items() if owner is node]
             for run in orphans:
-                del self.owner[run]
+                if self.owner.pop(run, None) is not node:
+                    continue  # failed meanwhile by route (its send broke too)
                 with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
                     await self.fail(run, f"the connection to node {node.label} was lost: the "
                                          "call's outcome is unknown", "NodeUnavailable", 503)
@@ -117,8 +118,9 @@ class _Session:
         try:
             conn = await self.link(node)
             await conn.send(text)
-        except (OSError, TimeoutError) as exc:  # not reached: no node has it
-            self.nodes.down(node, f"{type(exc).__name__}: {exc}")
+        except (OSError, TimeoutError) as exc:  # not reached: nothing ran
+            if isinstance(exc, OSError):  # refused or unreachable; a slow handshake is not
+                self.nodes.down(node, f"{type(exc).__name__}: {exc}")
             if self.owner.pop(run, None) is not None:
                 await self.fail(run, f"sandbox {sandbox} is on node {node.label}, which does "
                                      f"not answer: {exc}", "NodeUnavailable", 503)

@@ -26,6 +26,8 @@ MAX_PAGE = 1000  # a daemon's largest page of E2B's list: what the gateway asks 
 KEEPALIVE_SECONDS = 15.0
 LISTING_TIMEOUT = 30.0
 EVENTS_KEPT = 4096  # per subscriber: a client that reads slower loses events (and is told)
+# A node sends a keep-alive every 15 s: a stream silent for longer is a node gone.
+EVENTS_TIMEOUT = httpx.Timeout(connect=5.0, read=45.0, write=10.0, pool=10.0)
 
 
 async def _ask_all(request: Request, nodes: Nodes, client: httpx.AsyncClient,
@@ -33,7 +35,7 @@ async def _ask_all(request: Request, nodes: Nodes, client: httpx.AsyncClient,
                    ) -> tuple[list[tuple[Node, object]], list[Node], Response | None]:
     """(node, JSON answer) of every node that is up and answered, the nodes that did not,
     and the first refusal (4xx) a node gave."""
-    headers = credentials.upstream(request.headers.items(), keyed=True)
+    headers = credentials.upstream(request.headers.raw, keyed=True)
 
     async def one(node: Node) -> tuple[Node, httpx.Response | None]:
         try:
@@ -81,6 +83,10 @@ async def listing(request: Request, nodes: Nodes, client: httpx.AsyncClient,
     answers, failed, refused = await _ask_all(request, nodes, client, credentials, params)
     if refused is not None:
         return refused
+    if not answers:
+        return error(503, "no node answered: " + (", ".join(
+            n["name"] or n["url"] for n in nodes.describe()) or "none is known"),
+            "NodeUnavailable")
     headers = _unavailable(nodes, failed)
     merge: Callable[[list[tuple[Node, object]]], object] = {
         "/v1/sandboxes": lambda a: {"sandboxes": [s for _, r in a for s in r["sandboxes"]]},
@@ -139,13 +145,13 @@ async def events(request: Request, nodes: Nodes, client: httpx.AsyncClient,
     if "since" in request.query_params or "last-event-id" in request.headers:
         return error(400, "resuming events is per node: the gateway streams them live only",
                      "InvalidRequest")
-    headers = credentials.upstream(request.headers.items(), keyed=True)
+    headers = credentials.upstream(request.headers.raw, keyed=True)
     queue: asyncio.Queue[str] = asyncio.Queue(maxsize=EVENTS_KEPT)
     lost = 0
 
     def put(event: dict) -> None:
         nonlocal lost
-        if queue.full():
+        if queue.maxsize - queue.qsize() < (2 if lost else 1):
             lost += 1
             return
         if lost:
@@ -154,8 +160,14 @@ async def events(request: Request, nodes: Nodes, client: httpx.AsyncClient,
         queue.put_nowait(f"data: {json.dumps(event)}\n\n")
 
     async def pump(node: Node) -> None:
+        """One node's events while its stream lasts; its end is announced once."""
+        streamed = False
         with contextlib.suppress(httpx.HTTPError):
-            async with client.stream("GET", f"{node.url}/v1/events", headers=headers) as reply:
+            async with client.stream("GET", f"{node.url}/v1/events", headers=headers,
+                                     timeout=EVENTS_TIMEOUT) as reply:
+                if reply.status_code != 200:
+                    return
+                streamed = True
                 async for line in reply.aiter_lines():
                     if not line.startswith("data: "):
                         continue  # ids, retry hints, keep-alives: the gateway sends its own
@@ -163,7 +175,8 @@ async def events(request: Request, nodes: Nodes, client: httpx.AsyncClient,
                         event = json.loads(line[6:])
                         event.pop("id", None)
                         put({**event, "node": node.label})
-        put({"type": "node_unavailable", "node": node.label})
+        if streamed:
+            put({"type": "node_unavailable", "node": node.label})
 
     async def watch() -> None:
         """Keep a pump on every node that is up."""

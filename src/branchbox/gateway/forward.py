@@ -14,7 +14,8 @@ The Host header goes through unchanged: E2B addresses a sandbox's ports by it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import json
+from collections.abc import AsyncIterator, Iterable, Mapping
 
 import httpx
 from starlette.background import BackgroundTask
@@ -25,10 +26,14 @@ from branchbox.gateway.nodes import Node
 from branchbox.server.e2b_access import access_granted, api_key_ok
 from branchbox.server.keys import key_accepted
 from branchbox.server.relaying import HOP_BY_HOP
+from branchbox.server.streams import NDJSON, error_line
 
 TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=60.0, pool=30.0)
 """No read timeout: a run streams for as long as its own timeout lets it."""
-_KEYS = ("authorization", "x-api-key")
+_KEYS = (b"authorization", b"x-api-key")
+_HOP = {name.encode() for name in HOP_BY_HOP}
+Headers = list[tuple[bytes, bytes]]
+"""As received and sent: bytes, since a value need not be ASCII (a browser's cookie)."""
 
 
 class NodeDown(Exception):
@@ -60,15 +65,36 @@ class Credentials:
         return self.client_ok(headers) or access_granted(frozenset({self.node_key}), headers,
                                                          sandbox_id)
 
-    def upstream(self, headers: Iterable[tuple[str, str]], *, keyed: bool
-                 ) -> list[tuple[str, str]]:
+    def upstream(self, headers: Iterable[tuple[bytes, bytes]], *, keyed: bool) -> Headers:
         """The headers to send a node: not hop-by-hop ones nor the client's keys; the node
         key in their place for a client that showed a key (``keyed``)."""
         out = [(name.lower(), value) for name, value in headers
-               if name.lower() not in HOP_BY_HOP and name.lower() not in _KEYS]
+               if name.lower() not in _HOP and name.lower() not in _KEYS]
         if keyed:
-            out += [("authorization", f"Bearer {self.node_key}"), ("x-api-key", self.node_key)]
+            key = self.node_key.encode()
+            out += [(b"authorization", b"Bearer " + key), (b"x-api-key", key)]
         return out
+
+
+def as_text(headers: Headers) -> list[tuple[str, str]]:
+    """``headers`` for a WebSocket handshake (the websockets library takes text): those
+    whose value is ASCII."""
+    return [(name.decode(), value.decode()) for name, value in headers if value.isascii()]
+
+
+async def _relayed(reply: httpx.Response, node: Node) -> AsyncIterator[bytes]:
+    """The node's answer as it comes. If the node fails once it has begun, a stream of
+    lines (a run's) ends with an error line, as a daemon's failed stream does; any other
+    answer is cut short (its length, or its chunking, tells the client)."""
+    try:
+        async for chunk in reply.aiter_raw():
+            yield chunk
+    except httpx.TransportError as exc:
+        if reply.headers.get("content-type", "").startswith(NDJSON):
+            (line,) = error_line(f"node {node.label} failed during the call "
+                                 f"({type(exc).__name__}): its outcome is unknown",
+                                 "NodeUnavailable", 503)
+            yield b"\n" + json.dumps(line).encode() + b"\n"
 
 
 def error(status: int, message: str, kind: str) -> JSONResponse:
@@ -94,19 +120,21 @@ async def forward(request: Request, node: Node, client: httpx.AsyncClient,
         content = request.stream()
     else:
         content = body
-    headers = credentials.upstream(request.headers.items(),
+    headers = credentials.upstream(request.headers.raw,
                                    keyed=credentials.client_ok(request.headers))
     upstream = client.build_request(request.method, url, content=content, headers=headers)
     try:
         reply = await client.send(upstream, stream=True)
     except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
         raise NodeDown(node, f"{type(exc).__name__}: {exc}") from None
+    except httpx.PoolTimeout:  # nothing was sent
+        return unavailable(f"the gateway has no free connection to node {node.label}; retry")
     except ClientDisconnect:
         return Response(status_code=400)  # the client left mid-upload: nobody reads this
     except httpx.TransportError as exc:  # it took the request: what it did is unknown
         return error(502, f"node {node.label} failed during the request ({type(exc).__name__}"
                           f"): whether it was carried out is unknown", "NodeUnavailable")
-    response = StreamingResponse(reply.aiter_raw(), status_code=reply.status_code,
+    response = StreamingResponse(_relayed(reply, node), status_code=reply.status_code,
                                  background=BackgroundTask(reply.aclose))
     response.raw_headers = [(k, v) for k, v in reply.headers.raw
                             if k.lower().decode("latin-1") not in HOP_BY_HOP]

@@ -28,7 +28,7 @@ log = logging.getLogger("branchbox.gateway")
 
 REFRESH_SECONDS = 2.0
 """How often every node's report is asked for (and how stale a load figure gets)."""
-REPORT_TIMEOUT = 2.0
+REPORT_TIMEOUT = 5.0  # a busy node is slow, not down
 FORGET_AFTER = 600.0
 """Seconds a node that left the list is still known (as down)."""
 _TAG = re.compile(r"[0-9a-f]{8}")
@@ -128,6 +128,8 @@ class Nodes:
             listing_error = f"node discovery failed: {exc}"
         now = time.monotonic()
         nodes = {url: self._nodes.get(url) or Node(url) for url in sorted(listed)}
+        for node in nodes.values():
+            node.unlisted = None  # listed (again)
         for url, node in self._nodes.items():  # gone from the list: known for a while
             if url not in listed and now - (node.unlisted or now) < FORGET_AFTER and node.tag:
                 node.unlisted = node.unlisted or now
@@ -142,8 +144,13 @@ class Nodes:
             node.tag, node.instance = done.report["tag"], str(done.report.get("instance", ""))
             node.name = str(done.report.get("name", ""))
             node.report, node.sent, node.up, node.error = done.report, 0, True, ""
-        for node in nodes.values():
-            if node.unlisted is not None:
+        held = {node.tag for node in nodes.values() if node.unlisted is None and node.up}
+        for url, node in list(nodes.items()):
+            if node.unlisted is None:
+                continue
+            if node.tag in held:  # its tag is served at a new address (a new pod's IP)
+                del nodes[url]
+            else:
                 node.up, node.error = False, "it is no longer among the listed nodes"
         self._nodes = nodes
         self._one_node_per_tag()
@@ -192,8 +199,9 @@ class Nodes:
     def holder(self, sandbox_id: str) -> Node:
         """The node that is up and holds ``sandbox_id`` (its id's tag); Unroutable says
         why there is none: 404 if no node known has the tag, 503 if its node is down."""
-        tag = tag_of(sandbox_id) if is_sandbox_id(sandbox_id) else ""
-        nodes = [node for node in self._nodes.values() if node.tag == tag]
+        if not is_sandbox_id(sandbox_id):
+            raise Unroutable("sandbox not found", "SandboxNotFound", 404)
+        nodes = [node for node in self._nodes.values() if node.tag == tag_of(sandbox_id)]
         if up := [node for node in nodes if node.up]:
             return up[0]
         if nodes:

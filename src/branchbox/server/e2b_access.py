@@ -70,7 +70,8 @@ def addressed(headers: Mapping[str, str]) -> tuple[str, int | None] | None:
         sandbox_id, port = match.group(2), match.group(1)
     if sandbox_id is None:
         return None
-    return sandbox_id, int(port) if port.isdigit() and len(port) <= 5 else None
+    return sandbox_id, int(port) if port.isascii() and port.isdigit() and len(port) <= 5 \
+        else None
 
 
 def is_sandbox_id(text: str) -> bool:

@@ -63,7 +63,8 @@ async def _resume(first: Event, events: AsyncIterator[Event]) -> AsyncIterator[E
 def event_line(header: dict, final_type: str) -> dict:
     """An agent event as a client sees it: ``{"type": kind, ...fields}``."""
     if header.get("ev") == "done":
-        return {"type": final_type, **(header.get("result") or {})}
+        # The type last: the result is the sandbox's, and must not end a run differently.
+        return {**(header.get("result") or {}), "type": final_type}
     fields = {k: v for k, v in header.items() if k not in ("rid", "ev")}
     return {"type": header.get("ev"), **fields}
 
