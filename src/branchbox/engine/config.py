@@ -53,6 +53,9 @@ class EngineConfig:
     spawn_timeout: float = 60.0
     # Sandboxes kept started per image, so that create hands one out in milliseconds.
     warm_pool: int = field(default_factory=lambda: int(os.environ.get("BRANCHBOX_WARM_POOL", "2")))
+    # The most the warm pool grows to after a burst of creates (engine.warm).
+    warm_max: int = field(
+        default_factory=lambda: int(os.environ.get("BRANCHBOX_WARM_MAX", "32")))
     # Creates of a built-in image fork its template's interpreter (engine.templates);
     # BRANCHBOX_TEMPLATES=off starts an interpreter per family (to compare, or to rule
     # templates out).

@@ -115,6 +115,7 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
         self._warm: dict[str, list[Live]] = {}
         self._warm_waiters: dict[str, deque[asyncio.Future]] = {}  # creates in line (warm.py)
         self._refilling: dict[str, asyncio.Task] = {}
+        self._demand: dict = {}  # image -> its recent creates (warm.py)
         self._templates: dict = {}  # image -> its template (engine.templates)
         self._template_lock = asyncio.Lock()
         self._template_failed: dict[str, float] = {}  # image -> no new try before then

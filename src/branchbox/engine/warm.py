@@ -10,6 +10,11 @@ next sandboxes instead of each starting its own: the pool starts at most
 first served. Before, 50 creates at once meant 50 cold starts competing for two
 CPUs, so every one of them finished late (p50 6.4 s); in line, the first ones
 finish in a start-up time or two and only the last wait long.
+
+The pool follows bursts: an agent that starts a best-of-N once tends to again. After
+a burst of creates of an image (those within :data:`BURST_WINDOW` of each other), the
+pool keeps as many of it ready (at most ``warm_max``) for :data:`BURST_MEMORY`, then
+shrinks back to its configured size. A later burst of that size is all hand-outs.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections import deque
+from dataclasses import dataclass, field
 
 from branchbox.engine import errors
 from branchbox.engine.image_build import STEP_PREFIX
@@ -28,22 +35,72 @@ log = logging.getLogger("branchbox.engine")
 
 SPAWN_PARALLEL = max(1, os.cpu_count() or 1)
 """Sandboxes the pool starts at once: more only compete for the same CPUs."""
+BURST_WINDOW = 2.0
+"""Creates of one image this close together (seconds) are one burst."""
+BURST_MEMORY = 120.0
+"""Seconds the pool keeps a burst's size after the burst's last create."""
+
+
+@dataclass
+class _Demand:
+    """The recent creates of one image: their times (within the window) and the largest
+    burst since ``since``."""
+
+    times: deque[float] = field(default_factory=deque)
+    burst: int = 0
+    since: float = 0.0
+    shrink: asyncio.TimerHandle | None = None
 
 
 class WarmPool:
     """Mixed into Engine (uses its config, _spawn and teardown)."""
 
+    def _warm_size(self, image: str) -> int:
+        """How many sandboxes of ``image`` to keep ready: the configured size, or the
+        largest recent burst's (at most ``warm_max``); none when the pool is off."""
+        if self.config.warm_pool <= 0:
+            return 0
+        demand = self._demand.get(image)
+        if demand is None or time.monotonic() - demand.since > BURST_MEMORY:
+            return self.config.warm_pool
+        return max(self.config.warm_pool, min(demand.burst, self.config.warm_max))
+
+    def _count_create(self, image: str) -> None:
+        """A create of ``image`` came: it may be part of a burst the pool should follow."""
+        now = time.monotonic()
+        demand = self._demand.setdefault(image, _Demand())
+        demand.times.append(now)
+        while now - demand.times[0] > BURST_WINDOW:
+            demand.times.popleft()
+        if now - demand.since > BURST_MEMORY:
+            demand.burst = 0  # the last burst is forgotten: a new one is measured
+        demand.burst, demand.since = max(demand.burst, len(demand.times)), now
+        if demand.burst > self.config.warm_pool:  # back to size once it is over
+            if demand.shrink is not None:
+                demand.shrink.cancel()
+            demand.shrink = asyncio.get_running_loop().call_later(
+                BURST_MEMORY + 1, self._shrink_warm, image)
+
+    def _shrink_warm(self, image: str) -> None:
+        """Let the ready sandboxes of ``image`` beyond the pool's size go, oldest first."""
+        pool = self._warm.get(image) or []
+        while len(pool) > self._warm_size(image) and not self._stopping:
+            self._discard_warm(pool.pop(0))
+
+    def _discard_warm(self, sb: Live) -> None:
+        self._retire(sb.body)
+        self._track(asyncio.get_running_loop().create_task(sb.family.family.kill()))
+
     async def _take_warm(self, image: str) -> Live | None:
         """A started sandbox of ``image``: a ready one, else the next the pool starts (in
         order of asking); None if the pool does not keep this image (a cold start)."""
+        self._count_create(image)
         pool = self._warm.setdefault(image, [])
         sb = None
         while pool and sb is None:
             candidate = pool.pop()
             if candidate.body.channel.closed.is_set():  # died while waiting: free it
-                self._retire(candidate.body)
-                self._track(asyncio.get_running_loop().create_task(
-                    candidate.family.family.kill()))
+                self._discard_warm(candidate)
             else:
                 sb = candidate
         if sb is not None:
@@ -72,10 +129,14 @@ class WarmPool:
             if not waiter.done():
                 waiter.set_result(sb)
                 return
-        self._warm.setdefault(image, []).append(sb)
+        pool = self._warm.setdefault(image, [])
+        if len(pool) >= self._warm_size(image):  # started for a burst the pool forgot since
+            self._discard_warm(sb)
+        else:
+            pool.append(sb)
 
     def _refill(self, image: str) -> None:
-        if self.config.warm_pool <= 0 or self._refilling.get(image) or image.startswith(
+        if self._warm_size(image) <= 0 or self._refilling.get(image) or image.startswith(
                 STEP_PREFIX):  # a build step's sandbox is made once
             return
         task = asyncio.get_running_loop().create_task(self._fill(image))
@@ -91,7 +152,7 @@ class WarmPool:
         starting: set[asyncio.Task] = set()
         try:
             while not self._stopping:
-                wanted = sum(not w.done() for w in waiters) + self.config.warm_pool - len(pool)
+                wanted = sum(not w.done() for w in waiters) + self._warm_size(image) - len(pool)
                 while len(starting) < min(wanted, SPAWN_PARALLEL):
                     starting.add(asyncio.get_running_loop().create_task(
                         self._spawn(image, dict(meta), None, None)))
