@@ -141,7 +141,11 @@ def test_an_environment_an_interpreter_reads_at_its_start_gets_an_interpreter(
 def fresh_pool(harness):
     """The module's engine is shared: after a test that ends or retires a template, its
     warm pool's sandboxes (forked by that template, their launchers now orphans) go, so
-    later tests get sandboxes of the current template."""
+    later tests get sandboxes of the current template. Before it, the pool is back to its
+    configured size (not the size of the bursts earlier tests made): such a test counts
+    which of its creates are hand-outs."""
+    portal.run(harness.engine._drop_warm())
+    harness.engine._demand.clear()
     yield
     portal.run(harness.engine._drop_warm())
 
