@@ -121,11 +121,9 @@ class Nodes:
         before its tag was checked against the others')."""
         try:
             listed = set(await self._source())
-            listing_error = ""
         except Exception as exc:  # noqa: BLE001 - discovery failed: keep asking the last ones
             log.warning("could not list the nodes: %s", exc)
             listed = {url for url, node in self._nodes.items() if node.unlisted is None}
-            listing_error = f"node discovery failed: {exc}"
         now = time.monotonic()
         nodes = {url: self._nodes.get(url) or Node(url) for url in sorted(listed)}
         for node in nodes.values():
@@ -139,7 +137,7 @@ class Nodes:
         for done in reports:  # no await from here on: one step for the event loop
             node = done.node
             if done.report is None:
-                node.up, node.error = False, listing_error or done.error
+                node.up, node.error = False, done.error
                 continue
             node.tag, node.instance = done.report["tag"], str(done.report.get("instance", ""))
             node.name = str(done.report.get("name", ""))
