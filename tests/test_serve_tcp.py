@@ -25,10 +25,17 @@ def _servers_end(pid: int, client: socket.socket) -> socket.socket:
     pidfd = os.pidfd_open(pid)
     try:
         for name in os.listdir(f"/proc/{pid}/fd"):
-            if not os.readlink(f"/proc/{pid}/fd/{name}").startswith("socket:"):
+            try:  # the daemon opens and closes fds meanwhile (warm sandboxes starting)
+                if not os.readlink(f"/proc/{pid}/fd/{name}").startswith("socket:"):
+                    continue
+                fd = _pidfd_getfd(pidfd, int(name))
+            except OSError:
                 continue
-            fd = _pidfd_getfd(pidfd, int(name))
-            sock = socket.socket(fileno=fd)
+            try:
+                sock = socket.socket(fileno=fd)
+            except OSError:  # the number was given to something else meanwhile
+                os.close(fd)
+                continue
             try:
                 if sock.family == socket.AF_INET and sock.getpeername() == mine:
                     return sock
