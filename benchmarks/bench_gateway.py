@@ -27,6 +27,7 @@ from pathlib import Path
 
 from branchbox import Sandbox
 from branchbox.bench.daemon import Daemon, Gateway
+from branchbox.engine.node import TAG_FILE, tag_of
 
 NODE_KEY, CLIENT_KEY = "bench-node-key", "bench-client-key"
 CREATES, THREADS = 30, 6
@@ -108,8 +109,7 @@ def main() -> None:
 
 def _holds(node: Daemon, sandbox_id: str) -> bool:
     """Whether ``node`` holds the sandbox (its id's tag is the node's own)."""
-    tag = (node.data_dir / "node-tag").read_text().strip()
-    return sandbox_id[4:12] == tag
+    return tag_of(sandbox_id) == (node.data_dir / TAG_FILE).read_text().strip()
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from websockets.sync.client import connect
 
 from branchbox import NodeUnavailable, Sandbox, SandboxNotFound
 from branchbox.bench.daemon import Gateway
+from branchbox.engine.node import TAG_FILE
 
 NODE_KEY = "gw-test-node-key"
 USER_KEY = "gw-test-user-key"
@@ -338,7 +339,7 @@ def test_one_daemon_at_two_addresses_and_a_copied_store(cluster: Cluster) -> Non
     sandbox with that tag cannot be told, so the gateway refuses both, saying why."""
     node = cluster.nodes[0]
     copy = Path(tempfile.mkdtemp(prefix="branchbox-test-gw-copy-"))
-    shutil.copy(node.data_dir / "node-tag", copy / "node-tag")
+    shutil.copy(node.data_dir / TAG_FILE, copy / TAG_FILE)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

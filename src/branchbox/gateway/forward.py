@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from branchbox.gateway.nodes import Node
 from branchbox.server.e2b_access import access_granted, api_key_ok
+from branchbox.server.errors import error_response
 from branchbox.server.keys import key_accepted
 from branchbox.server.relaying import HOP_BY_HOP
 from branchbox.server.streams import NDJSON, error_line
@@ -98,9 +99,11 @@ async def _relayed(reply: httpx.Response, node: Node) -> AsyncIterator[bytes]:
 
 
 def error(status: int, message: str, kind: str) -> JSONResponse:
-    """An answer of the gateway's own, shaped as the daemon's are."""
-    headers = {"Retry-After": "5"} if status == 503 else None
-    return JSONResponse({"error": message, "type": kind}, status_code=status, headers=headers)
+    """An answer of the gateway's own, the daemon's shape (a 503 says when to retry)."""
+    answer = error_response(status, message, kind)
+    if status == 503:
+        answer.headers["Retry-After"] = "5"
+    return answer
 
 
 def unavailable(message: str) -> JSONResponse:
