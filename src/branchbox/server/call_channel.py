@@ -48,7 +48,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.datastructures import State
 
-from branchbox.engine.run_guard import CALLER_GONE
+from branchbox.engine.run_guard import CALLER_GONE, Hangup
 from branchbox.server.deps import ws_key_ok
 from branchbox.server.errors import describe, validation_message
 from branchbox.server.execution import code_run, command_run
@@ -126,7 +126,7 @@ async def calls(ws: WebSocket) -> None:
         return
     await ws.accept()
     sending = asyncio.Lock()  # one message at a time, whichever run it is from
-    runs: dict[int, tuple[asyncio.Task, asyncio.Event]] = {}
+    runs: dict[int, tuple[asyncio.Task, Hangup]] = {}
 
     async def send(run: int, line: dict) -> None:
         async with sending:
@@ -203,9 +203,9 @@ def _is_id(value: object) -> bool:
 
 
 def _start(ws: WebSocket, request: dict, send: Callable[[int, dict], Awaitable[None]],
-           done: Callable[[], object]) -> tuple[asyncio.Task, asyncio.Event]:
+           done: Callable[[], object]) -> tuple[asyncio.Task, Hangup]:
     """The run's task, in a context where the engine sees its own "caller gone" event."""
-    gone = asyncio.Event()
+    gone = Hangup()
     context = contextvars.copy_context()
     context.run(CALLER_GONE.set, gone)
     task = asyncio.get_running_loop().create_task(_run(ws, request, send), context=context)

@@ -22,7 +22,7 @@ import contextlib
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from branchbox.engine.run_guard import CALLER_GONE
+from branchbox.engine.run_guard import CALLER_GONE, Hangup
 
 _NO_BODY: Message = {"type": "http.request", "body": b"", "more_body": False}
 
@@ -37,7 +37,7 @@ class DisconnectWatch:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        gone = asyncio.Event()
+        gone = Hangup()
         watcher: asyncio.Task | None = None
         last: Message = {"type": "http.disconnect"}
 
