@@ -38,3 +38,25 @@ def test_a_writer_left_running_after_the_call_does_not_block_or_leak(
     assert run.error is None, run.error
     assert run.text == "'end\\n'"  # its output after the call was read and dropped
     assert "y\n" not in run.stdout
+
+
+def test_calls_are_drained_by_the_c_thread_here(make: Callable[..., Sandbox]) -> None:
+    """On x86_64 the pipes are drained by bb-drain's C thread (agent/bb_drain.c), so the
+    tests above exercise it; the agent's own tests (run bare) the Python thread."""
+    sb = make()
+    assert sb.run_code("from bbagent import capture\ncapture.native()").text == "True"
+
+
+def test_many_leftover_writers_and_a_big_write_of_the_repl_itself(
+        make: Callable[..., Sandbox]) -> None:
+    """More leftover pipes than the C thread takes: the Python thread drains that call.
+    A write of the REPL itself far beyond a pipe's size does not block either way."""
+    sb = make(memory_mb=256)
+    for _ in range(70):  # each call's pipes are kept by a writer that outlives it
+        sb.run_code("import subprocess\n"
+                    "subprocess.Popen(['sh', '-c', 'sleep 30 & wait'])", timeout=30)
+    run = sb.run_code("import os\nfor _ in range(64): os.write(1, b'z' * 65536)\n"
+                      "os.write(2, b'tail')\n'ok'", timeout=60)
+    assert run.error is None, run.error
+    assert run.text == "'ok'"
+    assert len(run.stdout) == 64 * 65536 and run.stderr.endswith("tail")

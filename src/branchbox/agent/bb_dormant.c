@@ -49,6 +49,8 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 
+#include "bb_syscall.h"
+
 #define BUF_MAX 65536
 #define FDS_MAX 64
 #define ALIVE (1L << 62) /* not a pid, not -errno */
@@ -62,37 +64,6 @@
 #define OPEN_TREE_CLONE 1
 #define MOVE_MOUNT_F_EMPTY_PATH 0x4
 #endif
-
-static long sys6(long n, long a, long b, long c, long d, long e, long f) {
-#if defined(__x86_64__)
-    register long r10 __asm__("r10") = d;
-    register long r8 __asm__("r8") = e;
-    register long r9 __asm__("r9") = f;
-    long ret;
-    __asm__ volatile("syscall"
-                     : "=a"(ret)
-                     : "a"(n), "D"(a), "S"(b), "d"(c), "r"(r10), "r"(r8), "r"(r9)
-                     : "rcx", "r11", "memory");
-    return ret;
-#elif defined(__aarch64__)
-    register long x8 __asm__("x8") = n;
-    register long x0 __asm__("x0") = a;
-    register long x1 __asm__("x1") = b;
-    register long x2 __asm__("x2") = c;
-    register long x3 __asm__("x3") = d;
-    register long x4 __asm__("x4") = e;
-    register long x5 __asm__("x5") = f;
-    __asm__ volatile("svc 0"
-                     : "+r"(x0)
-                     : "r"(x8), "r"(x1), "r"(x2), "r"(x3), "r"(x4), "r"(x5)
-                     : "memory");
-    return x0;
-#else
-#error "bb-dormant supports x86_64 and aarch64"
-#endif
-}
-
-#define SYS(n, a, b, c) sys6(SYS_##n, (long)(a), (long)(b), (long)(c), 0, 0, 0)
 
 static void copy_bytes(char *dst, const char *src, unsigned long n) {
     /* volatile: no compiler turns this loop back into a call to libc's memcpy */

@@ -16,6 +16,11 @@ process the call started that still holds a pipe (a server in the background)
 keeps writing into it, and what it writes is read and dropped until the last
 writer closes it: by the agent's loop between calls, and by the next call's
 thread during that call (the loop does not run then).
+
+The thread is C (``bb_drain.c``, loaded from beside the agent's package): a Python
+thread's start and its two GIL hand-offs cost each call ~0.15 ms in a sandbox. Where
+that library cannot run (not x86_64, more pipes than it takes), a Python thread
+drains the pipes.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ from .server import Agent
 
 _libc_fflush = ctypes.CDLL(None).fflush
 _libc_fflush.argtypes = [ctypes.c_void_p]
+_DRAIN_LIBRARY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "bb-drain.so")  # beside bbagent/ in the agent layer
+_DRAIN_MAX = 64  # bb_drain.c's BB_DRAIN_MAX
 
 _F_SETPIPE_SZ = 1031
 _PIPE_SIZE = 1 << 20  # fewer wake-ups for a fast writer (best effort: the system may cap it)
@@ -40,6 +48,43 @@ _FINAL_DRAIN = 4 << 20  # bytes read after the call ends before its writers are 
 
 _leftovers: list[int] = []
 """Read ends of earlier calls' pipes that a process still writes into (dropped data)."""
+
+
+class _Drain(ctypes.Structure):
+    """bb_drain.c's ``struct bb_drain``."""
+
+    _fields_ = [("nfds", ctypes.c_int), ("own", ctypes.c_int), ("stop", ctypes.c_int),
+                ("tid", ctypes.c_int), ("keep", ctypes.c_long), ("final_drain", ctypes.c_long),
+                ("dropped", ctypes.c_long), ("error", ctypes.c_long),
+                ("fds", ctypes.c_int * _DRAIN_MAX), ("files", ctypes.c_int * _DRAIN_MAX),
+                ("kept", ctypes.c_long * _DRAIN_MAX), ("open", ctypes.c_int * _DRAIN_MAX)]
+
+
+def _drain_library() -> ctypes.CDLL | None:
+    """bb-drain.so, loaded once (CDLL: the GIL is let go while a call waits in it); None
+    where it is missing (the agent run bare, in its tests), cannot load or has no thread
+    for this machine."""
+    global _drain_lib
+    if _drain_lib is False:
+        try:
+            lib = ctypes.CDLL(_DRAIN_LIBRARY)
+        except OSError:
+            lib = None
+        if lib is not None and lib.bb_drain_native():
+            for fn in (lib.bb_drain_start, lib.bb_drain_join):
+                fn.argtypes, fn.restype = [ctypes.POINTER(_Drain)], ctypes.c_long
+        else:
+            lib = None
+        _drain_lib = lib
+    return _drain_lib
+
+
+_drain_lib: ctypes.CDLL | None | bool = False
+
+
+def native() -> bool:
+    """Whether calls are drained by bb-drain's C thread here."""
+    return _drain_library() is not None
 
 
 def flush_stdio() -> None:
@@ -81,11 +126,30 @@ class FdCapture:
             with contextlib.suppress(KeyError, ValueError):  # a fork child's new loop
                 agent.unwatch(fd)
         self._stop_read, self._stop_write = os.pipe2(os.O_CLOEXEC)
-        # A bare thread and a lock it releases at its end: threading.Thread's start and
-        # join handshakes cost ~90 us more, on every call.
-        self._ended = _thread.allocate_lock()
-        self._ended.acquire()
-        _thread.start_new_thread(self._drain, ())
+        self._native = self._start_native()
+        if self._native is None:
+            # A bare thread and a lock it releases at its end: threading.Thread's start
+            # and join handshakes cost ~90 us more, on every call.
+            self._ended = _thread.allocate_lock()
+            self._ended.acquire()
+            _thread.start_new_thread(self._drain, ())
+
+    def _start_native(self) -> _Drain | None:
+        """bb-drain's thread on this call's pipes and the leftovers; None if it cannot
+        take them (then nothing was started and the leftovers are still listed)."""
+        lib = _drain_library()
+        fds = self._pipes + _leftovers
+        if lib is None or len(fds) > _DRAIN_MAX:
+            return None
+        drain = _Drain(nfds=len(fds), own=len(self._pipes), stop=self._stop_read,
+                       keep=self._keep, final_drain=_FINAL_DRAIN)
+        drain.fds[:len(fds)] = fds
+        drain.files[:len(self.files)] = self.files
+        if lib.bb_drain_start(ctypes.byref(drain)) != 0:
+            return None
+        self._pipes = fds
+        _leftovers.clear()
+        return drain
 
     def _drain(self) -> None:
         try:
@@ -139,13 +203,29 @@ class FdCapture:
             os.close(saved)
         self._saved = []
         os.write(self._stop_write, b"x")
-        self._ended.acquire()
+        if self._native is not None:
+            self._join_native(self._native)
+        else:
+            self._ended.acquire()
         for fd in (self._stop_read, self._stop_write):
             os.close(fd)
         for fd in self._pipes:  # still held by a process a call started
             self._agent.watch(fd, lambda fd=fd: _discard(self._agent, fd))
         _leftovers.extend(self._pipes)
         self._pipes = []
+
+    def _join_native(self, drain: _Drain) -> None:
+        """Wait for bb-drain's thread to end; take its count and close the pipes whose
+        writers are all gone, as the Python thread does."""
+        _drain_library().bb_drain_join(ctypes.byref(drain))
+        self.dropped += drain.dropped
+        still = []
+        for i, fd in enumerate(self._pipes):
+            if drain.open[i]:
+                still.append(fd)
+            else:
+                os.close(fd)
+        self._pipes = still
 
     def close(self) -> None:
         self.restore()

@@ -83,7 +83,7 @@ def prepare_agent_layer(data_dir: Path, *, in_use: bool) -> Path:
     shows as nobody's inside and nothing in a sandbox can change it, even through its
     host path.
     """
-    sources = sorted([*_AGENT_SOURCE.glob("*.py"), *_AGENT_SOURCE.glob("*.c")])
+    sources = sorted([*_AGENT_SOURCE.glob("*.py"), *_AGENT_SOURCE.glob("*.[ch]")])
     digest = hashlib.sha256(sys.implementation.cache_tag.encode())  # its byte-code's tag
     for src in sources:
         digest.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
@@ -102,9 +102,10 @@ def prepare_agent_layer(data_dir: Path, *, in_use: bool) -> Path:
         shutil.copy2(src, top / "bbagent" / src.name)
     _compile_agent(top / "bbagent")
     _compile_c("bb_init.c", top / "bb-init", ["-static"])
-    _compile_c("bb_dormant.c", top / "bb-dormant.so",
-               ["-shared", "-fPIC", "-nostdlib", "-fno-builtin", "-fno-stack-protector",
-                "-Wl,-z,defs"])
+    for name in ("bb_dormant", "bb_drain"):
+        _compile_c(f"{name}.c", top / f"{name.replace('_', '-')}.so",
+                   ["-shared", "-fPIC", "-nostdlib", "-fno-builtin", "-fno-stack-protector",
+                    "-Wl,-z,defs"])
     for mountpoint in ("root", "oldroot", "proc"):
         (top / mountpoint).mkdir()
     tmp.chmod(0o755)
@@ -128,8 +129,9 @@ def _compile_agent(package: Path) -> None:
 
 
 def _compile_c(name: str, dest: Path, flags: list[str]) -> None:
-    """Build a part of the agent written in C: Q's init (``bb_init.c``, static) and the
-    checkpoints' library (``bb_dormant.c``, without libc): both run on any image."""
+    """Build a part of the agent written in C: Q's init (``bb_init.c``, static), the
+    checkpoints' library (``bb_dormant.c``) and the output drain (``bb_drain.c``), both
+    without libc: all run on any image."""
     source = _AGENT_SOURCE / name
     cmd = ["gcc", *flags, "-Os", "-s", "-o", str(dest), str(source)]
     try:
