@@ -338,6 +338,21 @@ def test_output_beyond_max_output_is_dropped_and_counted(agent: AgentProcess) ->
     assert result["truncated"] is True
 
 
+def test_a_file_size_limit_of_user_code_does_not_stop_the_python_drain(
+        agent: AgentProcess) -> None:
+    """The agent run bare drains with its Python thread (no bb-drain.so beside it): past an
+    RLIMIT_FSIZE the cell set, its memory files take no more and the rest is dropped,
+    while the pipes are still drained (the writer would block otherwise)."""
+    out, _err, result = agent.run(
+        "import os, resource\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))\n"
+        "for _ in range(64): os.write(1, b'q' * 65536)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)\n"
+        "'ok'", timeout=30)
+    assert result["error"] is None and result["text"] == "'ok'"
+    assert len(out) <= 4096
+
+
 def test_a_forked_process_of_user_code_never_reaches_the_channel(agent: AgentProcess) -> None:
     out, _err, result = agent.run(
         "import os\npid = os.fork()\nprint('child' if pid == 0 else 'parent')\n"

@@ -60,3 +60,17 @@ def test_many_leftover_writers_and_a_big_write_of_the_repl_itself(
     assert run.error is None, run.error
     assert run.text == "'ok'"
     assert len(run.stdout) == 64 * 65536 and run.stderr.endswith("tail")
+
+
+def test_a_file_size_limit_set_by_user_code_does_not_stop_the_drain(
+        make: Callable[..., Sandbox]) -> None:
+    """The memory files are files: past an RLIMIT_FSIZE the cell set, the rest is dropped,
+    and the pipes are still drained (a drain that stopped would block the writer)."""
+    sb = make()
+    run = sb.run_code("import os, resource\n"
+                      "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))\n"
+                      "for _ in range(64): os.write(1, b'q' * 65536)\n"
+                      "'ok'", timeout=60)
+    assert run.error is None, run.error
+    assert run.text == "'ok'"
+    assert sb.run_code("2 + 2").text == "4"

@@ -14,7 +14,10 @@
  * go into its memory file FILES[i], the rest are counted in DROPPED), the others
  * are earlier calls' pipes that a process still writes into (read and dropped).
  * After STOP it reads what is there already (at most FINAL_DRAIN bytes) and ends.
- * OPEN[i] says, at the end, whether pipe i still has writers (0: end of file).
+ * OPEN[i] says, at the end, whether pipe i still has writers: 1 yes, 0 end of file,
+ * -1 it could not be read (user code closed that fd: not ours any more). If a memory
+ * file cannot take more (user code may set RLIMIT_FSIZE), the rest is dropped: the
+ * pipes are drained whatever happens, or a writer would block.
  *
  * The thread has a stack of its own (made once per process), all signals blocked
  * (they are the interpreter's, in its main thread), and no thread-local storage:
@@ -48,7 +51,7 @@ struct bb_drain {
     long keep;
     long final_drain;
     long dropped;
-    long error; /* -errno if reading or writing failed, else 0 */
+    long error; /* -errno if polling or writing a memory file failed, else 0 */
     int fds[BB_DRAIN_MAX];
     int files[BB_DRAIN_MAX];
     long kept[BB_DRAIN_MAX];
@@ -116,8 +119,8 @@ static void drain(struct bb_drain *d) {
             long got = SYS(read, d->fds[i], buf, READ_SIZE);
             if (got == -EINTR || got == -EAGAIN)
                 continue;
-            if (got <= 0) { /* end of file: no writer is left */
-                d->open[i] = 0;
+            if (got <= 0) { /* end of file (no writer is left), or not ours any more */
+                d->open[i] = got == 0 ? 0 : -1;
                 continue;
             }
             if (stopping)
@@ -127,16 +130,15 @@ static void drain(struct bb_drain *d) {
             long room = d->keep - d->kept[i];
             if (room > got)
                 room = got;
-            if (room > 0) {
+            if (room > 0 && !d->error) {
                 long err = write_all(d->files[i], buf, room);
-                if (err < 0) {
-                    d->error = err;
-                    return;
-                }
-                d->kept[i] += room;
-            } else {
-                room = 0;
+                if (err < 0)
+                    d->error = err; /* kept no more: dropped from now on */
+                else
+                    d->kept[i] += room;
             }
+            if (room < 0 || d->error)
+                room = 0;
             d->dropped += got - room;
         }
     }

@@ -167,7 +167,7 @@ class FdCapture:
         poller = select.poll()
         for fd in (*self._pipes, self._stop_read):
             poller.register(fd, select.POLLIN)
-        stopping, after = False, 0
+        stopping, after, keeping = False, 0, True
         while self._pipes:
             ready = poller.poll(0 if stopping else None)
             if stopping and (not ready or after > _FINAL_DRAIN):
@@ -186,9 +186,12 @@ class FdCapture:
                 after += len(data) if stopping else 0
                 if fd not in kept:  # an earlier call's leftover writer: dropped
                     continue
-                room = min(len(data), self._keep - kept[fd])
+                room = min(len(data), self._keep - kept[fd]) if keeping else 0
                 if room > 0:
-                    _write_all(files[fd], data[:room])
+                    try:
+                        _write_all(files[fd], data[:room])
+                    except OSError:  # past an RLIMIT_FSIZE the cell set: drop the rest
+                        keeping, room = False, 0
                     kept[fd] += room
                 self.dropped += len(data) - room
 
@@ -221,9 +224,9 @@ class FdCapture:
         self.dropped += drain.dropped
         still = []
         for i, fd in enumerate(self._pipes):
-            if drain.open[i]:
+            if drain.open[i] == 1:
                 still.append(fd)
-            else:
+            elif drain.open[i] == 0:  # (-1: user code closed it; the number is not ours)
                 os.close(fd)
         self._pipes = still
 
