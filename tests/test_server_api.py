@@ -109,6 +109,31 @@ async def test_create_info_list_close(client: httpx.AsyncClient) -> None:
     assert_error(await client.delete(f"/v1/sandboxes/{sid}"), 404, "SandboxNotFound")
 
 
+async def test_the_list_says_what_each_info_says(client: httpx.AsyncClient) -> None:
+    """A list is read in one go (resource use off the event loop, children in one pass):
+    each row is what the sandbox's own info says."""
+    parent = (await client.post("/v1/sandboxes", json={})).json()["id"]
+    kids: list[str] = []
+    try:
+        kids = (await client.post(f"/v1/sandboxes/{parent}/fork", json={"n": 2})).json()[
+            "children"]
+        listed = {row["id"]: row for row in (await client.get("/v1/sandboxes")).json()[
+            "sandboxes"]}
+        for sid in (parent, *kids):
+            info = (await client.get(f"/v1/sandboxes/{sid}")).json()
+            row = listed[sid]
+            assert {k: v for k, v in row.items() if k != "resources"} == \
+                {k: v for k, v in info.items() if k != "resources"}
+            assert set(row["resources"]) == set(info["resources"]) >= {
+                "memory_bytes", "pids", "cpu_seconds", "host_pids", "repl_anon_huge_bytes"}
+            assert row["resources"]["memory_bytes"] > 0 and row["resources"]["host_pids"]
+        assert sorted(listed[parent]["children"]) == sorted(kids)
+        assert all(listed[kid]["parent_id"] == parent for kid in kids)
+    finally:
+        for sid in (*kids, parent):
+            await client.delete(f"/v1/sandboxes/{sid}")
+
+
 @pytest.mark.parametrize(("method", "path", "body"), [
     ("GET", "", None),
     ("DELETE", "", None),

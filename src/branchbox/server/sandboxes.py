@@ -35,8 +35,7 @@ async def create_sandbox(body: CreateSandbox, engine: EngineDep) -> dict:
 
 @router.get("")
 async def list_sandboxes(engine: EngineDep) -> dict:
-    ids = [sb.id for sb in engine.list()] + engine.stopped_ids()  # stopped: files kept
-    return {"sandboxes": [engine.info(sandbox_id) for sandbox_id in ids]}
+    return {"sandboxes": await engine.infos()}  # live, then stopped (their files kept)
 
 
 @router.get("/{sandbox_id}")
