@@ -244,12 +244,14 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
     def list(self) -> list[Live]:
         return list(self.live.values())
 
-    def info(self, sandbox_id: str) -> dict:
+    def info(self, sandbox_id: str, *, usage: bool = True) -> dict:
+        """What the sandbox is; without ``usage``, its ``resources`` are left empty (they
+        are files to read: E2B's answers show none of them)."""
         if (stopped := self.stopped_info(sandbox_id)) is not None:
             return stopped
         sb = self.get(sandbox_id)
         children = [c.id for c in self.live.values() if c.record.parent_id == sb.id]
-        return self._describe(sb, children, _usage(sb.body))
+        return self._describe(sb, children, _usage(sb.body) if usage else {})
 
     async def infos(self) -> list[dict]:
         """The info of every live sandbox, then every stopped one (a list): the resource
