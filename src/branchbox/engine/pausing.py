@@ -31,7 +31,7 @@ class Pausing:
         """Freeze everything in the sandbox; idempotent. Returns its info."""
         sb = self.get(sandbox_id)
         if sb.record.state == PAUSED:
-            return self.info(sandbox_id)
+            return await self.report(sandbox_id)
         await self._acquire(sb, self.config.busy_wait)
         try:
             if self.live.get(sandbox_id) is not sb:  # closed or merged away meanwhile
@@ -48,7 +48,7 @@ class Pausing:
                 self.events.publish("pause", sb.record)
         finally:
             self._unlock(sb)
-        return self.info(sandbox_id)
+        return await self.report(sandbox_id)
 
     async def resume(self, sandbox_id: str) -> dict:
         """Thaw the sandbox and restart its lifetime clock; idempotent. Returns its info."""
@@ -60,7 +60,7 @@ class Pausing:
             self._start_clock(sb)
             self.records.put(sb.record)
             self.events.publish("resume", sb.record)
-        return self.info(sandbox_id)
+        return await self.report(sandbox_id)
 
     async def _hold_frozen(self, body: Body) -> None:
         """Freeze the whole body, on purpose: a daemon that dies leaves it frozen (its

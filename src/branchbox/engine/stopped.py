@@ -165,10 +165,10 @@ class StoppedSandboxes:
         id (its address is a new one). A no-op for a running sandbox. Returns its info."""
         st = self._stopped.get(sandbox_id)
         if st is None:
-            return self.info(sandbox_id)  # running (or 404)
+            return await self.report(sandbox_id)  # running (or 404)
         async with st.lock:
             if self._stopped.get(sandbox_id) is not st:  # started or closed meanwhile
-                return self.info(sandbox_id)
+                return await self.report(sandbox_id)
             meta = st.record.meta
             branch = meta["stack"].get("workspace")
             host = None if branch is None else self._workspace_host(branch["host"])
@@ -194,7 +194,7 @@ class StoppedSandboxes:
             self.net.apply([sb.body.key], meta.get("network") or self.net.policy_of(None, None))
             self._adopt(sb, meta.get("timeout"))
             self.events.publish("start", sb.record, image=sb.record.image)
-        return self.info(sandbox_id)
+        return await self.report(sandbox_id)
 
     async def _close_stopped(self, sandbox_id: str) -> bool:
         """Close a stopped sandbox (its files go); False if it is not a stopped one."""

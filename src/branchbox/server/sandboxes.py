@@ -30,7 +30,7 @@ async def create_sandbox(body: CreateSandbox, engine: EngineDep) -> dict:
                              internet=body.internet if body.internet is not None else body.egress,
                              network=body.network.model_dump(exclude_none=True)
                              if body.network else None)
-    return engine.info(sb.id)
+    return await engine.report(sb.id)
 
 
 @router.get("")
@@ -40,7 +40,7 @@ async def list_sandboxes(engine: EngineDep) -> dict:
 
 @router.get("/{sandbox_id}")
 async def sandbox_info(sandbox_id: str, engine: EngineDep) -> dict:
-    return engine.info(sandbox_id)
+    return await engine.report(sandbox_id)
 
 
 @router.delete("/{sandbox_id}", **NO_CONTENT)
