@@ -323,6 +323,38 @@ def test_restore_keeps_the_address_and_answers_at_once(harness: Harness,
     assert not net._ahead  # noqa: SLF001 - nothing left behind
 
 
+def test_an_address_a_merge_moved_is_forgotten_by_the_host_once_freed(
+        harness: Harness, make: Callable[..., Sandbox]) -> None:
+    """After a merge the parent's address is on the winner's port, whose MAC was made from
+    the winner's own address; the host learns that MAC. Once the sandbox is closed and the
+    address freed, the host holds no entry for it: its next holder (with the MAC made from
+    the address) is reached at once, not after the stale entry fails (seconds)."""
+    from branchbox.sdk._portal import portal
+
+    net = harness.engine.net
+    sb = make()
+    (child,) = sb.fork(n=1)
+    child.run_code("import socket; srv = socket.create_server(('0.0.0.0', 8000))")
+    sb.merge_into(child)
+    address, port = sb.ip, net.ports[harness.engine.get(sb.id).body.key]
+    assert port.address == address and port.mac != _mac_of(address)
+    with socket.create_connection((address, 8000), timeout=10):  # the host learns its MAC
+        pass
+    assert _neighbour_macs(address) == {port.mac}
+    sb.close()
+    _wait_link_gone(port.name)
+
+    async def reap() -> None:
+        net._reap()  # noqa: SLF001 - what the next lease does first
+
+    portal.run(reap())
+    assert port.mac not in _neighbour_macs(address)
+
+
+def _mac_of(address: str) -> str:
+    return "02:bb:" + ":".join(f"{b:02x}" for b in ipaddress.IPv4Address(address).packed)
+
+
 def _neighbour_macs(address: str) -> set[str]:
     """The MACs the host's neighbour table holds for ``address`` (reachable or not)."""
     with IPRoute() as ipr:

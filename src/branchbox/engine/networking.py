@@ -182,9 +182,14 @@ class SandboxNetwork:
         return port
 
     def _free(self, address: str) -> None:
+        """The address may be leased again. The host forgets which MAC held it: after a
+        merge it was the winner's port's (a MAC made from another address), and a next
+        holder would be unreachable from the host until that entry failed (seconds)."""
         base = int(self.net.subnet.network_address)
         self._used.discard(int(ipaddress.IPv4Address(address)) - base)
         self.db.execute("DELETE FROM net_leases WHERE address = ?", (address,))
+        with contextlib.suppress(OSError):  # (a bridge gone at a stop: nothing to forget)
+            self.net.forget(address)
 
     def _prepare(self, n: int, *, within_room: bool = False) -> list[Port]:
         """Leases admitted by the firewall before anyone needs them (one transaction), each
