@@ -60,6 +60,9 @@ class _Drain(ctypes.Structure):
                 ("kept", ctypes.c_long * _DRAIN_MAX), ("open", ctypes.c_int * _DRAIN_MAX)]
 
 
+_drain_lib: ctypes.CDLL | None | bool = False  # not loaded yet: False
+
+
 def _drain_library() -> ctypes.CDLL | None:
     """bb-drain.so, loaded once (CDLL: the GIL is let go while a call waits in it); None
     where it is missing (the agent run bare, in its tests), cannot load or has no thread
@@ -77,9 +80,6 @@ def _drain_library() -> ctypes.CDLL | None:
             lib = None
         _drain_lib = lib
     return _drain_lib
-
-
-_drain_lib: ctypes.CDLL | None | bool = False
 
 
 def native() -> bool:
