@@ -162,6 +162,15 @@ async def test_hangup_callbacks() -> None:
     gone.on_set(lambda: seen.append("c"))  # already set: at once
     assert seen == ["b", "c"]
     assert gone.is_set()
+    # A callback that undoes another (a cut closed while the hang-up is being told): the
+    # other still runs once, and undoing after the fact is harmless.
+    other, seen = Hangup(), []
+    undo_second: list = []
+    other.on_set(lambda: (seen.append("first"), undo_second[0]()))
+    undo_second.append(other.on_set(lambda: seen.append("second")))
+    other.set()
+    undo_second[0]()
+    assert seen == ["first", "second"]
 
 
 @scenario

@@ -65,16 +65,22 @@ class Hangup(asyncio.Event):
     def set(self) -> None:
         if not self.is_set():
             super().set()
-            for callback in self._callbacks:
+            callbacks, self._callbacks = self._callbacks, []
+            for callback in callbacks:  # (one may undo another's meanwhile: a copy)
                 callback()
 
     def on_set(self, callback: Callable[[], None]) -> Callable[[], None]:
-        """Run ``callback`` when this is set (at once if it is); returns what undoes it."""
+        """Run ``callback`` when this is set (at once if it is); returns what undoes it
+        (a no-op once it ran)."""
         if self.is_set():
             callback()
             return lambda: None
         self._callbacks.append(callback)
-        return lambda: self._callbacks.remove(callback)
+
+        def undo() -> None:
+            with contextlib.suppress(ValueError):  # ran already
+                self._callbacks.remove(callback)
+        return undo
 
 
 CALLER_GONE: ContextVar[Hangup | None] = ContextVar("branchbox_caller_gone", default=None)
