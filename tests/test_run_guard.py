@@ -24,9 +24,11 @@ class Source:
     """An event source as the agent channel is one: items, then a wait for the next that
     records how it ended (cancelled = the request abandoned in the sandbox)."""
 
-    def __init__(self, items: int, swallow: bool = False) -> None:
+    def __init__(self, items: int, swallow: bool = False,
+                 instead: BaseException | None = None) -> None:
         self.items = items
         self.swallow = swallow  # answer a cancel with one more item (a misbehaving layer)
+        self.instead = instead  # or with this error
         self.cancelled = 0
         self.closed = False
         self.waiting = asyncio.Event()
@@ -41,6 +43,8 @@ class Source:
                     await asyncio.sleep(3600)
                 except asyncio.CancelledError:
                     self.cancelled += 1
+                    if self.instead is not None:
+                        raise self.instead from None
                     if not self.swallow:
                         raise
                     yield "late"
@@ -125,6 +129,25 @@ async def test_a_swallowed_cancel_is_taken_back() -> None:
     """A layer under the wait that answers the cancel with an item: the call still ends
     as cut, and the task is left with no cancel pending (later awaits are not hit)."""
     source, gone = Source(0, swallow=True), Hangup()
+
+    async def consume() -> str:
+        with pytest.raises(CallerGone):
+            await _collect(until_gone(source.events()), [])
+        await asyncio.sleep(0.01)  # would raise CancelledError if a cancel were left over
+        return "done"
+
+    task = _in_call(gone, consume())
+    await source.waiting.wait()
+    gone.set()
+    assert await task == "done"
+    assert task.cancelling() == 0
+
+
+@scenario
+async def test_a_cancel_answered_with_another_error_is_taken_back() -> None:
+    """A layer under the wait that turns the cancel into another error: the call still
+    ends as cut (CallerGone), and no cancel is left pending on the task."""
+    source, gone = Source(0, instead=RuntimeError("a layer's own error")), Hangup()
 
     async def consume() -> str:
         with pytest.raises(CallerGone):

@@ -100,8 +100,8 @@ static void drain(struct bb_drain *d) {
             n++;
         }
         long ready = SYS(poll, set, n, stopping ? 0 : -1);
-        if (ready == -EINTR)
-            continue;
+        if (ready == -EINTR || ready == -ENOMEM || ready == -EAGAIN)
+            continue; /* never stop draining while a writer may wait on us */
         if (ready < 0) {
             d->error = ready;
             return;
@@ -189,6 +189,8 @@ long bb_drain_native(void) {
 
 long bb_drain_start(struct bb_drain *d) {
 #if defined(__x86_64__)
+    if (d->nfds < 0 || d->nfds > BB_DRAIN_MAX || d->own < 0 || d->own > d->nfds)
+        return -EINVAL;
     if (!stack) {
         long got = sys6(SYS_mmap, 0, STACK_SIZE, PROT_READ | PROT_WRITE,
                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);

@@ -200,18 +200,25 @@ class FdCapture:
         (idempotent)."""
         if not self._saved:
             return
-        flush_stdio()
-        for fd, saved in zip((1, 2), self._saved, strict=True):
-            os.dup2(saved, fd)
-            os.close(saved)
-        self._saved = []
-        os.write(self._stop_write, b"x")
-        if self._native is not None:
-            self._join_native(self._native)
-        else:
-            self._ended.acquire()
-        for fd in (self._stop_read, self._stop_write):
-            os.close(fd)
+        try:
+            flush_stdio()
+            for fd, saved in zip((1, 2), self._saved, strict=True):
+                os.dup2(saved, fd)
+                os.close(saved)
+        finally:
+            # The drain thread is stopped and joined whatever happened above (user code
+            # may have closed any of these fds): a thread left running would outlive its
+            # call. A stop pipe whose end user code closed stops it too (POLLHUP/NVAL).
+            self._saved = []
+            with contextlib.suppress(OSError):
+                os.write(self._stop_write, b"x")
+            if self._native is not None:
+                self._join_native(self._native)
+            else:
+                self._ended.acquire()
+            for fd in (self._stop_read, self._stop_write):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         for fd in self._pipes:  # still held by a process a call started
             self._agent.watch(fd, lambda fd=fd: _discard(self._agent, fd))
         _leftovers.extend(self._pipes)

@@ -194,6 +194,12 @@ class _Cut:
             if not self._cancelled or task.uncancel() > 0:
                 raise  # the task itself was cancelled (too)
             raise self._error() from None
+        except BaseException:
+            if not self._cancelled:
+                raise
+            self._cancelled = False  # swallowed below, which then failed otherwise
+            task.uncancel()
+            raise self._error() from None
         finally:
             self._waiting = None
         if self._cancelled:  # something under the wait swallowed our cancel: take it back

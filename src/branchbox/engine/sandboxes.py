@@ -268,6 +268,8 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
         reads a sandbox, so a list of a thousand held every other call for most of a
         second), and children found in one pass, not one per sandbox."""
         live = list(self.live.values())
+        stopped = [info for sid in self.stopped_ids()  # (both taken before the wait)
+                   if (info := self.stopped_info(sid)) is not None]
         children: dict[str, list[str]] = {}
         for sb in live:
             if sb.record.parent_id is not None:
@@ -276,8 +278,7 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
         rows = [self._describe(sb, children.get(sb.id, []), usage)
                 for sb, usage in zip(live, usages, strict=True)
                 if self.live.get(sb.id) is sb]  # not closed or merged meanwhile
-        return rows + [info for sid in self.stopped_ids()
-                       if (info := self.stopped_info(sid)) is not None]
+        return rows + stopped
 
     def _describe(self, sb: Live, children: list[str], usage: dict) -> dict:
         rec = sb.record
