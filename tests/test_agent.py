@@ -353,6 +353,21 @@ def test_a_file_size_limit_of_user_code_does_not_stop_the_python_drain(
     assert len(out) <= 4096
 
 
+def test_a_pipe_number_user_code_took_over_is_left_alone_by_the_python_drain(
+        agent: AgentProcess) -> None:
+    """As tests/test_output_cap.py checks of the C thread: the cell puts a file of its own
+    on its stdout pipe's read end; the drain neither reads nor closes it."""
+    from test_output_cap import REUSE_PIPE_NUMBER
+
+    out, _err, result = agent.run(REUSE_PIPE_NUMBER, timeout=30)
+    assert result["error"] is None, result["error"]
+    hostname = Path("/etc/hostname").read_text()
+    assert hostname not in out
+    _out, _err, later = agent.run("os.pread(r, 100, 0).decode()")
+    assert later["error"] is None, later["error"]
+    assert later["text"] == repr(hostname)
+
+
 def test_a_forked_process_of_user_code_never_reaches_the_channel(agent: AgentProcess) -> None:
     out, _err, result = agent.run(
         "import os\npid = os.fork()\nprint('child' if pid == 0 else 'parent')\n"

@@ -74,3 +74,31 @@ def test_a_file_size_limit_set_by_user_code_does_not_stop_the_drain(
     assert run.error is None, run.error
     assert run.text == "'ok'"
     assert sb.run_code("2 + 2").text == "4"
+
+
+REUSE_PIPE_NUMBER = (
+    "import os\n"
+    "def ino(fd):\n"
+    "    try:\n"
+    "        return os.fstat(fd).st_ino\n"
+    "    except OSError:\n"
+    "        return None\n"
+    "r = [fd for fd in range(3, 1024) if ino(fd) == os.fstat(1).st_ino][0]  # its read end\n"
+    "f = os.open('/etc/hostname', os.O_RDONLY)\n"
+    "os.dup2(f, r)  # the pipe's number is a file of the cell's now\n"
+    "os.close(f)\n"
+    "os.write(1, b'after')\n"
+)
+
+
+def test_a_pipe_number_user_code_took_over_is_left_alone(make: Callable[..., Sandbox]) -> None:
+    """The cell closes the read end of its own stdout pipe and opens a file on that
+    number: the drain neither reads the file into the output nor closes it."""
+    sb = make()
+    hostname = sb.run_code("open('/etc/hostname').read()").text
+    run = sb.run_code(REUSE_PIPE_NUMBER, timeout=30)
+    assert run.error is None, run.error
+    assert hostname.strip("'\\n") not in run.stdout
+    later = sb.run_code("os.pread(r, 100, 0).decode()")
+    assert later.error is None, later.error  # still open: not closed as a finished pipe
+    assert later.text == hostname

@@ -15,7 +15,8 @@
  * are earlier calls' pipes that a process still writes into (read and dropped).
  * After STOP it reads what is there already (at most FINAL_DRAIN bytes) and ends.
  * OPEN[i] says, at the end, whether pipe i still has writers: 1 yes, 0 end of file,
- * -1 it could not be read (user code closed that fd: not ours any more). If a memory
+ * -1 not ours any more (user code closed that fd, or the number is another file's
+ * now: each read first checks it is still the same pipe). If a memory
  * file cannot take more (user code may set RLIMIT_FSIZE), the rest is dropped: the
  * pipes are drained whatever happens, or a writer would block.
  *
@@ -35,6 +36,7 @@
 #include <signal.h>
 #include <stdint.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 
 #include "bb_syscall.h"
@@ -61,6 +63,15 @@ struct bb_drain {
 #if defined(__x86_64__)
 static char *stack; /* this process's; a fork child has its own copy */
 
+/* The pipes' identities when the call began (one drain at a time per process). */
+static unsigned long pipe_dev[BB_DRAIN_MAX], pipe_ino[BB_DRAIN_MAX];
+
+static int same_pipe(const struct bb_drain *d, int i) {
+    struct stat st;
+    return SYS(fstat, d->fds[i], &st, 0) == 0 && st.st_dev == pipe_dev[i] &&
+           st.st_ino == pipe_ino[i];
+}
+
 static long write_all(int fd, const char *data, long n) {
     while (n > 0) {
         long done = SYS(write, fd, data, n);
@@ -83,7 +94,7 @@ static void drain(struct bb_drain *d) {
     for (;;) {
         int n = 0;
         for (int i = 0; i < d->nfds; i++) {
-            if (d->open[i]) {
+            if (d->open[i] == 1) {
                 set[n].fd = d->fds[i];
                 set[n].events = POLLIN;
                 set[n].revents = 0;
@@ -116,6 +127,10 @@ static void drain(struct bb_drain *d) {
             if (!set[k].revents)
                 continue;
             int i = which[k];
+            if (!same_pipe(d, i)) { /* closed, and maybe the number reused, by user code */
+                d->open[i] = -1;
+                continue;
+            }
             long got = SYS(read, d->fds[i], buf, READ_SIZE);
             if (got == -EINTR || got == -EAGAIN)
                 continue;
@@ -198,8 +213,13 @@ long bb_drain_start(struct bb_drain *d) {
             return got;
         stack = (char *)got;
     }
-    for (int i = 0; i < d->nfds; i++)
-        d->open[i] = 1;
+    for (int i = 0; i < d->nfds; i++) {
+        struct stat st;
+        long err = SYS(fstat, d->fds[i], &st, 0);
+        d->open[i] = err == 0 ? 1 : -1;
+        pipe_dev[i] = err == 0 ? st.st_dev : 0;
+        pipe_ino[i] = err == 0 ? st.st_ino : 0;
+    }
     uint64_t all = ~(uint64_t)0, old;
     /* The thread starts with the caller's mask: every signal blocked, for that moment. */
     sys6(SYS_rt_sigprocmask, SIG_SETMASK, (long)&all, (long)&old, 8, 0, 0);

@@ -164,6 +164,7 @@ class FdCapture:
         files = dict(zip(self._pipes, self.files, strict=True))
         self._pipes += _leftovers
         _leftovers.clear()
+        pipes = {fd: _identity(fd) for fd in self._pipes}
         poller = select.poll()
         for fd in (*self._pipes, self._stop_read):
             poller.register(fd, select.POLLIN)
@@ -176,6 +177,11 @@ class FdCapture:
                 if fd == self._stop_read:
                     stopping = True
                     poller.unregister(fd)
+                    continue
+                now = _identity(fd)
+                if now is None or now != pipes[fd]:  # closed (maybe reused) by user code
+                    poller.unregister(fd)
+                    self._pipes.remove(fd)
                     continue
                 data = os.read(fd, _READ)
                 if not data:  # every writer has closed it
@@ -242,6 +248,15 @@ class FdCapture:
         for mem in self.files:
             os.close(mem)
         self.files = []
+
+
+def _identity(fd: int) -> tuple[int, int] | None:
+    """Which file ``fd`` is (device, inode); None if it is not open."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _discard(agent: Agent, fd: int) -> None:
