@@ -29,6 +29,7 @@ import _thread
 import contextlib
 import ctypes
 import fcntl
+import functools
 import os
 import select
 import sys
@@ -60,26 +61,20 @@ class _Drain(ctypes.Structure):
                 ("kept", ctypes.c_long * _DRAIN_MAX), ("open", ctypes.c_int * _DRAIN_MAX)]
 
 
-_drain_lib: ctypes.CDLL | None | bool = False  # not loaded yet: False
-
-
+@functools.cache
 def _drain_library() -> ctypes.CDLL | None:
     """bb-drain.so, loaded once (CDLL: the GIL is let go while a call waits in it); None
     where it is missing (the agent run bare, in its tests), cannot load or has no thread
     for this machine."""
-    global _drain_lib
-    if _drain_lib is False:
-        try:
-            lib = ctypes.CDLL(_DRAIN_LIBRARY)
-        except OSError:
-            lib = None
-        if lib is not None and lib.bb_drain_native():
-            for fn in (lib.bb_drain_start, lib.bb_drain_join):
-                fn.argtypes, fn.restype = [ctypes.POINTER(_Drain)], ctypes.c_long
-        else:
-            lib = None
-        _drain_lib = lib
-    return _drain_lib
+    try:
+        lib = ctypes.CDLL(_DRAIN_LIBRARY)
+    except OSError:
+        return None
+    if not lib.bb_drain_native():
+        return None
+    for fn in (lib.bb_drain_start, lib.bb_drain_join):
+        fn.argtypes, fn.restype = [ctypes.POINTER(_Drain)], ctypes.c_long
+    return lib
 
 
 def native() -> bool:

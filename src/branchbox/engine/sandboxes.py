@@ -244,20 +244,20 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
     def list(self) -> list[Live]:
         return list(self.live.values())
 
-    def info(self, sandbox_id: str, *, usage: bool = True) -> dict:
-        """What the sandbox is; without ``usage``, its ``resources`` are left empty (they
-        are files to read: E2B's answers show none of them)."""
+    def info(self, sandbox_id: str) -> dict:
+        """What the sandbox is, its ``resources`` left empty: they are files to read, which
+        :meth:`report` does off the event loop (E2B's answers show none of them)."""
         if (stopped := self.stopped_info(sandbox_id)) is not None:
             return stopped
         sb = self.get(sandbox_id)
         children = [c.id for c in self.live.values() if c.record.parent_id == sb.id]
-        return self._describe(sb, children, _usage(sb.body) if usage else {})
+        return self._describe(sb, children, {})
 
     async def report(self, sandbox_id: str) -> dict:
-        """:meth:`info`, its resource use read off the event loop (``smaps_rollup`` walks
-        the REPL's page tables: milliseconds for a large heap, and a burst of creates
-        answers twenty of these at once)."""
-        info = self.info(sandbox_id, usage=False)
+        """:meth:`info` with its resource use, read off the event loop (``smaps_rollup``
+        walks the REPL's page tables: milliseconds for a large heap, and a burst of
+        creates answers twenty of these at once)."""
+        info = self.info(sandbox_id)
         if (sb := self.live.get(sandbox_id)) is not None:  # (a stopped one uses nothing)
             info["resources"] = await asyncio.to_thread(_usage, sb.body)
         return info
@@ -868,6 +868,7 @@ def _usage(body: Body) -> dict:
         }
     except (OSError, ValueError, IndexError):
         return {}
+
 
 def _check_env(env: dict | None) -> None:
     if env is None:

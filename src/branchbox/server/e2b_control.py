@@ -111,7 +111,7 @@ def _image(template: str) -> str:
 
 def _created(request: Request, engine: Engine, sandbox_id: str) -> dict:
     """E2B's ``Sandbox`` (the answer to create, connect and each fork child)."""
-    info = engine.info(sandbox_id, usage=False)
+    info = engine.info(sandbox_id)
     token = access_token(request, sandbox_id)
     return {"templateID": info["image"], "sandboxID": sandbox_id, "clientID": "branchbox",
             "envdVersion": ENVD_VERSION, "envdAccessToken": token,
@@ -124,7 +124,7 @@ def _iso(ts: float) -> str:
 
 def _listed(engine: Engine, sandbox_id: str) -> dict:
     """E2B's ``ListedSandbox`` fields (``SandboxDetail`` adds a few)."""
-    info = engine.info(sandbox_id, usage=False)
+    info = engine.info(sandbox_id)
     ends = engine.expires_at(sandbox_id)
     return {"templateID": info["image"], "sandboxID": sandbox_id, "clientID": "branchbox",
             "startedAt": _iso(info["created"]), "endAt": _iso(ends or 253402300799),
@@ -157,7 +157,7 @@ async def create(body: NewSandbox, request: Request, engine: EngineDep) -> dict:
 @router.get("/sandboxes/{sandbox_id}")
 async def get(sandbox_id: str, engine: EngineDep) -> dict:
     """E2B's ``SandboxDetail``."""
-    info = engine.info(sandbox_id, usage=False)
+    info = engine.info(sandbox_id)
     policy = info["network"] or {}
     return {**_listed(engine, sandbox_id), "allowInternetAccess": policy.get("internet"),
             "domain": None}
@@ -227,7 +227,7 @@ async def connect(sandbox_id: str, request: Request, engine: EngineDep, response
                   ) -> dict:
     """Attach to a sandbox (200), resuming it first if it was paused (201); ``timeout``
     extends its lifetime."""
-    if engine.info(sandbox_id, usage=False)["state"] == "paused":
+    if engine.info(sandbox_id)["state"] == "paused":
         await engine.resume(sandbox_id)
         response.status_code = 201
     if body.timeout is not None:
