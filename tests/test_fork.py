@@ -6,7 +6,7 @@ import pytest
 from waiting import eventually
 
 from branchbox import InvalidRequest, Sandbox, SandboxError, SandboxNotFound, StaleBranchError
-from branchbox.engine import branching, ready_cgroups
+from branchbox.engine import branching
 from branchbox.runtime import cgroups
 from branchbox.sdk._portal import portal
 
@@ -155,6 +155,12 @@ def test_n_is_validated_and_nothing_is_created(sandbox, harness) -> None:
     assert len(harness.engine.live) == before
 
 
+def _identity(path) -> tuple[int, int]:
+    """A volume's identity, which a rename keeps (a btrfs subvolume's own device)."""
+    st = path.stat()
+    return st.st_dev, st.st_ino
+
+
 def _no_cgroups_ready(harness) -> None:
     """Remove the cgroups made ahead: a fork then makes each child's on its path."""
     ready = harness.engine.ready_cgroups
@@ -178,7 +184,7 @@ def test_failed_child_creation_cleans_up(sandbox, harness, monkeypatch) -> None:
             raise OSError(28, "No space left on device (injected)")
         return real_create(*args, **kwargs)
 
-    monkeypatch.setattr(ready_cgroups.SandboxCgroup, "create", flaky)
+    monkeypatch.setattr(cgroups.SandboxCgroup, "create", flaky)
     with pytest.raises(Exception, match="injected"):
         sandbox.fork(4)
     monkeypatch.undo()
@@ -212,23 +218,32 @@ def test_a_child_failing_its_set_up_fails_the_fork_and_leaves_nothing(sandbox,
     assert sandbox.run_code("'parent fine'").text == "'parent fine'"
 
 
-def test_children_take_cgroups_made_ahead(sandbox, harness) -> None:
-    """After a fork, as many cgroups as it had children are made for its limits; the next
-    fork's children take them (a cgroup's name is its body's key), limited as the parent."""
-    ready = harness.engine.ready_cgroups
+def test_children_take_cgroups_and_volumes_made_ahead(sandbox, harness) -> None:
+    """After a fork, as many cgroups and empty volumes as it had children are made for
+    its limits; the next fork's children take them (a cgroup's name is its body's key),
+    limited as the parent, each volume moved among the sandboxes' and given to the
+    family."""
+    cgroups_ready, volumes_ready = harness.engine.ready_cgroups, harness.engine.layers.blank
     for child in sandbox.fork(3):
         child.close()
-    assert eventually(lambda: sum(map(len, ready.ready.values())) >= 3, within=10)
-    made = {cg.name for batch in ready.ready.values() for cg in batch}
-    parent = harness.engine.get(sandbox.id).body.cgroup
+    for ready in (cgroups_ready, volumes_ready):
+        assert eventually(lambda r=ready: sum(map(len, r.ready.values())) >= 3, within=10)
+    made = {cg.name for batch in cgroups_ready.ready.values() for cg in batch}
+    blank = {_identity(v) for batch in volumes_ready.ready.values() for v in batch}
+    parent = harness.engine.get(sandbox.id).body
     children = sandbox.fork(3)
     try:
         bodies = [harness.engine.get(c.id).body for c in children]
         assert {body.key for body in bodies} <= made
+        assert {_identity(body.layers.volume) for body in bodies} <= blank
         for child, body in zip(children, bodies, strict=True):
             assert body.cgroup.name == body.key
-            assert _memory_limit(body.cgroup) == _memory_limit(parent)
-            assert child.run_code("2 + 2").text == "4"
+            assert _memory_limit(body.cgroup) == _memory_limit(parent.cgroup)
+            assert body.layers.volume.parent == harness.engine.layers.root
+            assert body.layers.disk_bytes == parent.layers.disk_bytes
+            upper = (body.layers.volume / "upper").stat()
+            assert (upper.st_uid, oct(upper.st_mode & 0o777)) == (body.layers.ids.base, "0o755")
+            assert child.run_code("open('/root/mine', 'w').write('x')\n2 + 2").text == "4"
     finally:
         for child in children:
             child.close()

@@ -260,6 +260,7 @@ class Branching:
             raise
         self.net.refill_soon()  # leases for the next fork, after this one's answer
         self.ready_cgroups.want(limits, n)  # and cgroups
+        self.layers.want_blank(lowers, n)  # and volumes
         if family is not None:  # and namespaces for the family's next one
             self.net.forked(family, n)
         return made

@@ -142,14 +142,15 @@ class Checkpoints:
                 await asyncio.to_thread(cgroup.remove)
                 raise
             try:
-                stack = self.layers.new_stack(await asyncio.shield(lowers),
-                                              sb.body.layers.base,
+                frozen = await asyncio.shield(lowers)
+                stack = self.layers.new_stack(frozen, sb.body.layers.base,
                                               sb.body.layers.workspace, ids=sb.body.layers.ids)
             except BaseException:
                 await dormant.close()
                 await asyncio.to_thread(cgroup.remove)
                 raise
         self.ready_cgroups.want(limits, 1)  # the next checkpoint's (or fork child's)
+        self.layers.want_blank(frozen, 1)
         return Body(cgroup.name, stack, cgroup, dormant)
 
     @staticmethod

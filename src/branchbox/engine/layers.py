@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from branchbox.engine.made_ahead import MadeAhead
 from branchbox.runtime import rootfs
 from branchbox.runtime.cgroups import SandboxCgroup
 from branchbox.storage import squash
@@ -116,9 +117,45 @@ class Layers:
         self.set_limit = set_limit
         self.disk_bytes = disk_bytes if set_limit is not None else None
         root.mkdir(parents=True, exist_ok=True)
+        # Empty volumes made ahead for forks, per disk limit, in their own directory
+        # (made by clear()): the store's root lists sandboxes' and images' volumes only.
+        self.ready = root / "ready"
+        self.blank: MadeAhead[int | None, Path] = MadeAhead("volumes", self._blank,
+                                                            backend.delete)
 
     def _new_path(self, prefix: str) -> Path:
         return self.root / f"{prefix}-{secrets.token_hex(8)}"
+
+    def clear(self, keep: set[str]) -> None:
+        """At start: delete every volume of the store not named in ``keep`` (what an
+        earlier daemon left, its empty volumes made ahead too)."""
+        for path in sorted(self.root.iterdir()):
+            if path.name not in keep:
+                self.backend.delete(path)
+        self.ready.mkdir()
+
+    def _blank(self, disk_bytes: int | None) -> Path:
+        """An empty writable volume bounded to ``disk_bytes`` (None: unbounded), in
+        ``root/ready``; :meth:`new_stack` moves it among the sandboxes' volumes."""
+        volume = self.ready / f"w-{secrets.token_hex(8)}"
+        self.backend.create_volume(volume)
+        try:
+            if disk_bytes is not None and self.set_limit is not None:
+                self.set_limit(volume, disk_bytes)
+            rootfs.blank_writable(volume)
+        except BaseException:
+            self.backend.delete(volume)
+            raise
+        return volume
+
+    def _limit_of(self, frozen: list[FrozenLayer]) -> int | None:
+        """The disk limit of a stack over ``frozen`` that does not ask for its own: the
+        sandbox's the top frozen layer came from (fork inherits), else the default."""
+        return frozen[0].disk_bytes if frozen else self.disk_bytes
+
+    def want_blank(self, frozen: list[FrozenLayer], n: int) -> None:
+        """Have ``n`` empty volumes made ahead for stacks over ``frozen`` (a fork's)."""
+        self.blank.want(self._limit_of(frozen), n)
 
     def new_stack(self, frozen: list[FrozenLayer], base: list[Path],
                   workspace: WorkspaceBranch | None = None, *, ids: IdRange,
@@ -132,11 +169,14 @@ class Layers:
         """
         volume = self._new_path("w")
         if disk_bytes is None:
-            disk_bytes = frozen[0].disk_bytes if frozen else self.disk_bytes
-        self.backend.create_volume(volume)
+            disk_bytes = self._limit_of(frozen)
+        blank = self.blank.take(disk_bytes)  # bounded already, as long as it exists
         try:
-            if disk_bytes is not None and self.set_limit is not None:
-                self.set_limit(volume, disk_bytes)
+            os.rename(blank, volume)
+        except BaseException:
+            self.backend.delete(blank)
+            raise
+        try:
             rootfs.prepare_writable(volume, ids.base,
                                     workspace.lower.host if workspace else None)
         except BaseException:

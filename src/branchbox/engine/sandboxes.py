@@ -33,10 +33,10 @@ from branchbox.engine.layers import (
     WorkspaceLower,
 )
 from branchbox.engine.live import Body, FamilyHandle, Live
+from branchbox.engine.made_ahead import MadeAhead
 from branchbox.engine.networking import SandboxNetwork
 from branchbox.engine.node import new_id, node_tag
 from branchbox.engine.pausing import Pausing, refuse_paused
-from branchbox.engine.ready_cgroups import ReadyCgroups
 from branchbox.engine.reattach import Reattach
 from branchbox.engine.records import Records, SandboxRecord
 from branchbox.engine.repl_end import repl_ended
@@ -126,7 +126,8 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
         self.keeper: FdKeeper | None = None  # holds control sockets across restarts
         self.zygote = Zygote(self.config.data_dir / "logs" / "zygote.log")  # forks launchers
         self.signal_guard = SignalGuard()
-        self.ready_cgroups = ReadyCgroups(self.config.cgroup_group)  # for fork children
+        self.ready_cgroups: MadeAhead[Limits, SandboxCgroup] = MadeAhead(  # fork children's
+            "cgroups", self._new_cgroup, SandboxCgroup.remove)
         self.events = EventBus(self.config.events_kept)  # GET /v1/events and the /ui page
 
     # ----------------------------------------------------------------- lifecycle
@@ -189,10 +190,7 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
                 cg.remove()
 
     def _clear_volumes(self) -> None:
-        keep = self._kept_volumes() | self._image_volumes()
-        for path in sorted(self.layers.root.iterdir()):
-            if path.name not in keep:
-                self.layers.backend.delete(path)
+        self.layers.clear(self._kept_volumes() | self._image_volumes())
 
     async def stop(self) -> None:
         self._stopping = True
@@ -200,6 +198,7 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
         while self._background:  # expiries and teardowns under way
             await asyncio.gather(*list(self._background), return_exceptions=True)
         await self.ready_cgroups.close()
+        await self.layers.blank.close()
         if self.config.keep:
             await self._leave_running()
             if self.net is not None:
@@ -323,6 +322,10 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
     def _limits(self, memory_mb: int | None) -> Limits:
         mb = memory_mb or self.config.memory_mb
         return Limits(memory_bytes=mb * 1024 * 1024, pids=self.config.pids_max)
+
+    def _new_cgroup(self, limits: Limits) -> SandboxCgroup:
+        """A fork child's cgroup; its name, a fresh random key, is its body's key."""
+        return SandboxCgroup.create(self.config.cgroup_group, secrets.token_hex(8), limits)
 
     def _check_disk_mb(self, disk_mb: object) -> None:
         """A disk limit the store can enforce: an int of MiB from 16 up to the store's size

@@ -143,13 +143,18 @@ def _compile_c(name: str, dest: Path, flags: list[str]) -> None:
         raise RuntimeError(f"building {source} failed:\n{exc.stderr}") from exc
 
 
+def blank_writable(volume: Path) -> None:
+    """Lay out an empty volume for any family: upper/ and work/ for the root (host
+    root's until :func:`prepare_writable` gives upper/ to a family)."""
+    (volume / "work").mkdir()
+    (volume / "upper").mkdir(mode=0o700)
+
+
 def prepare_writable(volume: Path, uid_base: int, workspace: Path | None = None) -> None:
-    """Lay out a fresh volume of a family whose root is host id ``uid_base``: upper/ and
-    work/ for the root, and with a workspace also its layers and mount point (see
+    """Give a volume laid out by :func:`blank_writable` to a family whose root is host id
+    ``uid_base``: its upper/, and with a workspace also its layers and mount point (see
     :func:`prepare_workspace`)."""
     upper = volume / "upper"
-    (volume / "work").mkdir()
-    upper.mkdir()
     _own(upper, uid_base)
     if workspace is not None:
         prepare_workspace(volume, workspace, uid_base)
