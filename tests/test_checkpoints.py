@@ -80,22 +80,22 @@ def test_a_restore_failing_after_its_wake_leaves_the_sandbox_and_nothing_else(
         harness, make, monkeypatch) -> None:
     """The checkpoint is woken before the restored body is made. When making the body
     fails, the restore fails saying so, the sandbox is as it was, the woken copy ends
-    (its control socket closes before its slot came), and a later restore works."""
+    (its control socket closes before its root came), and a later restore works."""
     sb = make()
     sb.run_code("x = 'at the checkpoint'")
     cp = sb.checkpoint()
     sb.run_code("x = 'now'")
     engine = harness.engine
     cp_cgroup = engine._checkpoints[cp.id].body.cgroup
-    real = engine._prepare_child
+    real = engine._child_body
 
     def failing(*args, **kwargs):
         raise OSError(28, "No space left on device (injected)")
 
-    monkeypatch.setattr(engine, "_prepare_child", failing)
+    monkeypatch.setattr(engine, "_child_body", failing)
     with pytest.raises(Exception, match="injected"):
         sb.restore(cp)
-    monkeypatch.setattr(engine, "_prepare_child", real)
+    monkeypatch.setattr(engine, "_child_body", real)
     assert sb.run_code("x").text == "'now'"
     waiting(cp_cgroup, engine.live[sb.id].body.cgroup)  # the checkpoint alone again
     sb.restore(cp)

@@ -141,7 +141,7 @@ def test_a_fork_reports_where_its_time_went(sandbox) -> None:
     kids = sandbox.fork(2)
     last = sandbox.info()["last_fork"]
     phases = last["phases"]
-    assert list(phases) == ["instant", "layer", "slots", "children", "finish"]
+    assert list(phases) == ["instant", "slots", "layer", "roots", "children", "finish"]
     assert all(v >= 0 for v in phases.values())
     assert sum(phases.values()) <= last["total"] + 1e-6
     close_all(kids)
@@ -170,26 +170,35 @@ def _no_cgroups_ready(harness) -> None:
     ready.ready.clear()
 
 
-def test_failed_child_creation_cleans_up(sandbox, harness, monkeypatch) -> None:
+@pytest.mark.parametrize("failing", ["cgroup", "root"])
+def test_failed_child_creation_cleans_up(sandbox, harness, monkeypatch, failing) -> None:
+    """Making a child fails: its cgroup (before its slot is sent), or its body once the
+    parent's layer is frozen (children forked before wait there for their roots). The
+    fork fails saying why and leaves nothing: no sandbox, volume or process (the
+    waiting children end), and the parent goes on."""
     portal.run(harness.engine.settle())  # no warm sandbox is being started meanwhile
     _no_cgroups_ready(harness)
     before = set(harness.engine.live)
     volumes = set(harness.engine.layers.root.iterdir())
-    real_create = cgroups.SandboxCgroup.create
+    repl = harness.engine.get(sandbox.id).body.cgroup
+    target, name = (cgroups.SandboxCgroup, "create") if failing == "cgroup" \
+        else (harness.engine, "_child_body")
+    real = getattr(target, name)
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 3:
             raise OSError(28, "No space left on device (injected)")
-        return real_create(*args, **kwargs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(cgroups.SandboxCgroup, "create", flaky)
+    monkeypatch.setattr(target, name, flaky)
     with pytest.raises(Exception, match="injected"):
         sandbox.fork(4)
     monkeypatch.undo()
     assert set(harness.engine.live) == before
-    assert set(harness.engine.layers.root.iterdir()) == volumes
+    assert eventually(lambda: set(harness.engine.layers.root.iterdir()) == volumes, within=10)
+    assert eventually(lambda: len(repl.leaf_pids("repl")) == 1, within=10)
     assert sandbox.run_code("'parent fine'").text == "'parent fine'"
 
 
@@ -203,14 +212,14 @@ def test_a_child_failing_its_set_up_fails_the_fork_and_leaves_nothing(sandbox,
     volumes = set(harness.engine.layers.root.iterdir())
     # The first child to get here (still in the parent's root) fails, the others go on.
     sandbox.run_code("import bbagent.entry as e, os\n"
-                     "real = e.enter_sandbox\n"
+                     "real = e.enter_root\n"
                      "def flaky(*a, **k):\n"
                      "    try:\n"
                      "        os.close(os.open('/tmp/first-child', os.O_CREAT | os.O_EXCL))\n"
                      "    except FileExistsError:\n"
                      "        return real(*a, **k)\n"
                      "    raise OSError('boom')\n"
-                     "e.enter_sandbox = flaky")
+                     "e.enter_root = flaky")
     with pytest.raises(SandboxError, match="boom"):
         sandbox.fork(3)
     assert set(harness.engine.live) == before

@@ -338,11 +338,11 @@ def test_a_child_that_did_not_enter_its_sandbox_is_refused(harness, make) -> Non
         time.sleep(0.01)
     assert harness.engine.net.made.get(family.ident), "no namespace was made ahead"
     sb.run_code("import os, bbagent.entry as e\n"
-                "def skip(tree, attach, hostname, repl, cmds, mounts=(), netns=None):\n"
+                "def skip(hostname, repl, netns=None):\n"
                 "    for fd in repl:\n"
                 "        os.write(fd, b'0')\n"
-                "    return e.Entered(-1, None)\n"
-                "e.enter_sandbox = skip")
+                "e.enter_namespaces = skip\n"
+                "e.enter_root = lambda tree, attach, cmds, mounts=(): -1")
     with pytest.raises(SandboxError, match="did not enter its sandbox"):
         sb.fork(1)
     assert sb.run_code("1 + 1").text == "2"

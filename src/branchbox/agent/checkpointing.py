@@ -96,7 +96,7 @@ def _wake(agent, batch, message: bytes, fds: list[int]) -> None:
         try:
             if json.loads(message) == {"early": True}:
                 header, _, rest = protocol.recv(ctrl)
-                slot = forking.slot_from(header, [*rest[:1], ctrl.detach(), *rest[1:]])
+                slot = forking.slot_from(header, [ctrl.detach(), *rest])
         except (OSError, ValueError, protocol.ChannelClosed):
             slot = None
     if slot is None:

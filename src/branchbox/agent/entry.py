@@ -192,6 +192,15 @@ def enter_sandbox(
     in the sandbox) to attach inside the root — a workspace — and ``netns``, a
     network namespace to join instead of making one.
     """
+    listener = enter_namespaces(hostname, repl_cgroup_fds, netns)
+    return Entered(enter_root(tree_fd, attach, cmds_cgroup_fds, mounts), listener)
+
+
+def enter_namespaces(hostname: str, repl_cgroup_fds: list[int],
+                     netns: int | None = None) -> int | None:
+    """Steps 1-4 (what needs no root tree): a fork child takes them while the daemon
+    still freezes its parent's layer. Returns a signal listener if one was added.
+    Consumes ``repl_cgroup_fds`` and ``netns``."""
     for fd in repl_cgroup_fds:  # 1
         os.write(fd, b"0")
         os.close(fd)
@@ -209,6 +218,13 @@ def enter_sandbox(
     socket.sethostname(hostname)  # 4
     if netns is None:  # a namespace made ahead has it up already
         _loopback_up()
+    return listener
+
+
+def enter_root(tree_fd: int, attach: str, cmds_cgroup_fds: list[int],
+               mounts: list[tuple[int, str]] = ()) -> int:
+    """Steps 5-8, after :func:`enter_namespaces`; returns the spawner socket. Consumes
+    ``tree_fd``, ``cmds_cgroup_fds`` and ``mounts``."""
     sysc.move_mount_fd(tree_fd, attach)  # 5
     os.close(tree_fd)
     for fd, path in mounts:
@@ -245,4 +261,4 @@ def enter_sandbox(
     sysc.pivot_root(attach, attach + OLD_ROOT)  # 8
     os.chdir("/")
     sysc.umount2(OLD_ROOT, sysc.MNT_DETACH)
-    return Entered(spawner.detach(), listener)
+    return spawner.detach()

@@ -1,11 +1,14 @@
 """The child side of fork: the REPL process forks itself; each child enters its own sandbox.
 
-The daemon sends one ``fork_slot`` per child (its root tree, control socket,
-cgroup fds and extra mounts, over SCM_RIGHTS), then ``fork`` to end the
-batch. The REPL forks each child the moment its slot arrives, so a child sets
-itself up while the daemon prepares the next; the REPL runs nothing else in
-between, so every child starts from the same instant. With the first slot the
-REPL:
+The daemon sends one ``fork_slot`` per child (its control socket, network
+namespace and cgroup fds, over SCM_RIGHTS), then ``fork`` to end the batch.
+The REPL forks each child the moment its slot arrives, so a child sets itself
+up while the daemon prepares the next; the REPL runs nothing else in between,
+so every child starts from the same instant. The slots come while the daemon
+still freezes the parent's layer: a child joins its cgroup and namespaces
+meanwhile, then waits on its control socket for its ``root`` (the root tree,
+built over that layer, and any further trees to attach). With the first slot
+the REPL:
 
 1. learns what its fds are and how many threads it has from the first slot
    itself: the daemon reads them from the host's /proc. The REPL cannot look
@@ -49,20 +52,17 @@ class _Slot:
     This module's classes are plain, not dataclasses: every REPL imports them at its
     start, and ``dataclasses`` (with ``inspect``, ``ast``...) was a sixth of that."""
 
-    def __init__(self, sandbox_id: str, tree: int, ctrl: int, netns: int | None,
-                 repl_cgroup: list[int], cmds_cgroup: list[int],
-                 mounts: list[tuple[int, str]]) -> None:
+    def __init__(self, sandbox_id: str, ctrl: int, netns: int | None,
+                 repl_cgroup: list[int], cmds_cgroup: list[int]) -> None:
         self.sandbox_id = sandbox_id
-        self.tree = tree
         self.ctrl = ctrl
         self.netns = netns
         self.repl_cgroup = repl_cgroup
         self.cmds_cgroup = cmds_cgroup
-        self.mounts = mounts
 
     def fds(self) -> list[int]:
-        return [self.tree, self.ctrl, *([] if self.netns is None else [self.netns]),
-                *self.repl_cgroup, *self.cmds_cgroup, *(fd for fd, _ in self.mounts)]
+        return [self.ctrl, *([] if self.netns is None else [self.netns]),
+                *self.repl_cgroup, *self.cmds_cgroup]
 
 
 class _Batch:
@@ -124,11 +124,12 @@ def take_warning() -> str | None:
 
 
 def handle_fork_slot(agent, req: dict, payload: bytes, fds: list[int]) -> None:
-    """Fork one child now. fds = [root tree, control socket, network namespace to join
-    (if ``req["netns"]``: made ahead by the daemon), *repl cgroup, *cmds cgroup, *trees
-    to attach at ``req["mounts"]`` (paths)]. The first slot of a fork opens the batch;
-    "fork" closes it. The first slot also carries ``inherit``: the REPL's fds, shared
-    mappings and thread count as the daemon read them from the host's /proc."""
+    """Fork one child now. fds = [control socket, network namespace to join (if
+    ``req["netns"]``: made ahead by the daemon), *repl cgroup, *cmds cgroup]; its root
+    comes later, on that socket (:func:`become_child`). The first slot of a fork opens
+    the batch; "fork" closes it. The first slot also carries ``inherit``: the REPL's
+    fds, shared mappings and thread count as the daemon read them from the host's
+    /proc."""
     slot = slot_from(req, fds)
     if slot is None:
         agent.fail(req["rid"], "InvalidRequest", "fork_slot got the wrong number of fds")
@@ -154,20 +155,40 @@ def slot_from(req: dict, fds: list[int]) -> _Slot | None:
     the same) and its fds; None, every fd closed, if they do not match."""
     try:
         nrepl, ncmds = int(req["nrepl"]), int(req["ncmds"])
-        paths = [str(path) for path in req.get("mounts", ())]
-        first = 3 if req.get("netns") else 2
+        first = 2 if req.get("netns") else 1
         sandbox_id = str(req["id"])
-        valid = nrepl >= 0 and ncmds >= 0 and len(fds) == first + nrepl + ncmds + len(paths)
+        valid = nrepl >= 0 and ncmds >= 0 and len(fds) == first + nrepl + ncmds
     except (KeyError, TypeError, ValueError):
         valid = False
     if not valid:
         for fd in fds:
             os.close(fd)
         return None
-    repl_end, cmds_end = first + nrepl, first + nrepl + ncmds
-    return _Slot(sandbox_id, fds[0], fds[1], fds[2] if first == 3 else None,
-                 fds[first:repl_end], fds[repl_end:cmds_end],
-                 list(zip(fds[cmds_end:], paths, strict=True)))
+    repl_end = first + nrepl
+    return _Slot(sandbox_id, fds[0], fds[1] if first == 2 else None, fds[first:repl_end],
+                 fds[repl_end:])
+
+
+def _root(ctrl: int) -> tuple[int, list[tuple[int, str]]]:
+    """The child's root tree and further trees to attach (fd, path), from the daemon's
+    ``root`` message on the control socket: it comes once the parent's layer is frozen.
+    Raises if the socket ends or the message does not parse (every fd it came with is
+    closed then)."""
+    sock = socket.socket(fileno=ctrl)
+    try:
+        header, _, fds = protocol.recv(sock)
+    finally:
+        sock.detach()
+    try:
+        paths = [str(path) for path in header["mounts"]]
+        valid = header.get("op") == "root" and len(fds) == 1 + len(paths)
+    except (KeyError, TypeError):
+        valid = False
+    if not valid:
+        for fd in fds:
+            os.close(fd)
+        raise OSError("the daemon's root message did not parse")
+    return fds[0], list(zip(fds[1:], paths, strict=True))
 
 
 def open_batch(agent, received: list[int], inherit: dict) -> _Batch:
@@ -396,12 +417,10 @@ def become_child(agent, slot: _Slot, batch: _Batch) -> None:
         # Its own session and process group: kill(0) or a ^C to the group reaches this
         # branch only, never the parent it was forked from.
         os.setsid()
-        entered = entry.enter_sandbox(
-            slot.tree, entry.ATTACH, slot.sandbox_id, slot.repl_cgroup, slot.cmds_cgroup,
-            slot.mounts, slot.netns,
-        )
-        STATE.spawner = entered.spawner
-        STATE.listener = -1 if entered.listener is None else entered.listener
+        listener = entry.enter_namespaces(slot.sandbox_id, slot.repl_cgroup, slot.netns)
+        STATE.listener = -1 if listener is None else listener
+        tree, mounts = _root(slot.ctrl)
+        STATE.spawner = entry.enter_root(tree, entry.ATTACH, slot.cmds_cgroup, mounts)
         STATE.batch = None
         os.chdir(batch.cwd)
         _reopen(batch.reopen, batch.close)

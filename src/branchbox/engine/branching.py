@@ -29,7 +29,7 @@ from branchbox.engine.node import new_id
 from branchbox.engine.records import SandboxRecord
 from branchbox.engine.stopped import describe
 from branchbox.runtime import procfs
-from branchbox.runtime.cgroups import FreezeFailed, Limits
+from branchbox.runtime.cgroups import FreezeFailed, SandboxCgroup
 from branchbox.runtime.channel import AgentChannel, AgentError
 from branchbox.runtime.dormant import Dormant
 from branchbox.runtime.fd_keeper import SIGNAL_LISTENER
@@ -90,10 +90,8 @@ class Branching:
                                  n: int, clock: _Phases,
                                  timings: Live | None) -> list[tuple[str, Body]]:
         async with self._instant(pbody, channel, clock) as (lowers, inherit):
-            frozen = await asyncio.shield(lowers)  # a cancellation waits for it in _instant
-            clock.mark("layer")  # the rest of the parent's layer snapshot
             slots = _ReplSlots(channel, inherit, pbody.repl_host)
-            return await self._make_bodies(slots, frozen, pbody.layers, owner, n, clock=clock,
+            return await self._make_bodies(slots, lowers, pbody.layers, owner, n, clock=clock,
                                            timings=timings)
 
     async def _wake_bodies(self, checkpoint: Body, owner: Live, n: int,
@@ -104,8 +102,10 @@ class Branching:
         and takes its address inside while it sets up (``SandboxNetwork.address_ahead``)."""
         stack = checkpoint.layers
         slots = _WakeSlots(checkpoint.channel)
+        lowers = asyncio.get_running_loop().create_future()
+        lowers.set_result(list(stack.frozen))
         return await self._within_deadline(self._make_bodies(
-            slots, list(stack.frozen), stack, owner, n, hostname=hostname))
+            slots, lowers, stack, owner, n, hostname=hostname))
 
     async def _within_deadline(self, making):
         """Await ``making`` (bodies being made) within the daemon's fork deadline: a
@@ -132,7 +132,15 @@ class Branching:
         the commands are frozen: it is the same instant). A fresh layer no body took is
         dropped after."""
         clock = clock or _Phases()
-        pbody.cgroup.freeze("cmds")
+        # What the REPL holds is read while its commands freeze: they cannot change it.
+        reading = None if pbody.repl_host is None else \
+            asyncio.ensure_future(asyncio.to_thread(_inherit, pbody.repl_host))
+        try:
+            pbody.cgroup.freeze("cmds")
+        except BaseException:
+            if reading is not None:
+                await _settled(reading)
+            raise
         if os.environ.get(FORK_FAULT_ENV) == "frozen":
             os.kill(os.getpid(), signal.SIGKILL)
         fresh: list[FrozenLayer] = []
@@ -140,15 +148,17 @@ class Branching:
         try:
             if self.layers.backend.name != "btrfs":  # a copy freezes the whole sandbox
                 await asyncio.shield(lowers)
-            if pbody.repl_host is None:  # a body keeps its REPL: look it up once
+            if reading is None:  # a body keeps its REPL: look it up once
                 repl = await channel.call("ping")
                 pbody.repl_host = procfs.find_repl(pbody.cgroup.leaf_pids("repl"),
                                                    int(repl.get("pid") or 0))
-            inherit = await asyncio.to_thread(_inherit, pbody.repl_host)
+                reading = asyncio.ensure_future(asyncio.to_thread(_inherit, pbody.repl_host))
+            inherit = await reading
             clock.mark("instant")  # commands frozen, what the REPL holds read from /proc
             yield lowers, inherit
         finally:
-            interrupted = await _settled(lowers)  # a layer made meanwhile is in ``fresh``
+            interrupted = reading is not None and await _settled(reading)
+            interrupted |= await _settled(lowers)  # a layer made meanwhile is in ``fresh``
             for layer in fresh:
                 if layer.refs == 0:  # unused: squashed away, or nothing was made
                     self.layers.drop(layer)
@@ -166,9 +176,10 @@ class Branching:
             lowers = [fresh[-1]]
         return lowers
 
-    async def _make_bodies(self, slots: _ReplSlots | _WakeSlots, lowers: list[FrozenLayer],
-                           stack: LayerStack, owner: Live, n: int, *,
-                           clock: _Phases | None = None, timings: Live | None = None,
+    async def _make_bodies(self, slots: _ReplSlots | _WakeSlots,
+                           lowers: asyncio.Future[list[FrozenLayer]], stack: LayerStack,
+                           owner: Live, n: int, *, clock: _Phases | None = None,
+                           timings: Live | None = None,
                            hostname: str | None = None) -> list[tuple[str, Body]]:
         """``n`` new bodies over ``lowers`` (and ``stack``'s base and workspace), forked by
         ``slots`` (a REPL, or a checkpoint woken), each with a fresh id and its network
@@ -176,41 +187,53 @@ class Branching:
         the child's hello; not adopted.
 
         Pipelined: child k is forked as soon as its slot arrives, so it sets itself up
-        while the daemon prepares child k+1. All children still come from one instant:
-        the forking process runs nothing else between the slots, and they share one set
-        of frozen layers."""
+        while the daemon prepares child k+1; and the slots go before ``lowers`` (a fork's
+        parent layer being frozen) are ready: each child joins its cgroup and namespaces
+        meanwhile, then gets its root, a tree over them. All children still come from
+        one instant: the forking process runs nothing else between the slots, and they
+        share one set of frozen layers."""
         if hostname is not None and n != 1:
             raise ValueError("one hostname names one body")
         clock = clock or _Phases()
         meta = owner.record.meta
         family = owner.family.family if owner.family.family.netns_maker else None
         made: list[tuple[str, Body]] = []
+        forked_children: list[_Forked] = []  # slots sent, roots not yet
         pending: list = []  # each slot's answer, then each child's hello
         net_steps: list[dict] = []  # per child: its network's steps (ns), networking.attach
         hellos: list = []  # and their wrappers: closed too if they never ran
         running: list[asyncio.Future] = []  # pending, once gathered
+        ending: asyncio.Future | None = None  # the forking process's answer to their end
         limits = self._limits(meta.get("memory_mb"))
         try:
             forker = slots.forker()
             for _ in range(n):
                 slots.start()  # a checkpoint's copy forks while its body is made
-                sid, body = self._prepare_child(lowers, stack, limits)
-                made.append((sid, body))
+                child = _Forked(new_id(self.node), self.ready_cgroups.take(limits))
+                forked_children.append(child)
                 took = time.perf_counter_ns()
-                netns = self.net.take_made(body.key, family.ident) if family else None
+                netns = self.net.take_made(child.key, family.ident) if family else None
                 took = time.perf_counter_ns() - took
                 if hostname is not None and netns is not None:  # it will take owner's id
-                    self.net.address_ahead(body.key, netns, owner.body.key)
-                answer, hello, entered = await self._send_slot(slots, hostname or sid, body,
-                                                               netns)
-                checked = _checked(hello, body, entered, forker)
-                hellos += [hello, checked]
-                if netns is not None:  # joined in the child: nothing left to do here
+                    self.net.address_ahead(child.key, netns, owner.body.key)
+                await self._send_slot(slots, hostname or child.sid, child, netns)
+                hellos.append(child.hello)
+                if netns is not None:
                     net_steps.append({"take": took})
-                pending += [answer, checked if netns is not None
+            ending = asyncio.ensure_future(slots.end())  # the forks' end, answered meanwhile
+            clock.mark("slots")  # children's cgroups made and slots sent: they are forking
+            frozen = await asyncio.shield(lowers)  # a cancellation waits for it in _instant
+            clock.mark("layer")  # the rest of the parent's layer snapshot
+            for child in forked_children:
+                body = self._child_body(child, frozen, stack)
+                made.append((child.sid, body))
+                entered = await self._send_root(body, child.netns)
+                checked = _checked(child.hello, body, entered, forker)
+                hellos.append(checked)
+                pending += [child.answer, checked if child.netns is not None
                             else self._networked(checked, body, net_steps)]
-            forked = await slots.end()
-            clock.mark("slots")  # children's volumes and cgroups made, slots sent, forked
+            forked = await ending
+            clock.mark("roots")  # children's volumes made, roots sent, the batch over
             running = [asyncio.ensure_future(p) for p in pending]
             try:
                 answers = await asyncio.wait_for(asyncio.gather(*running),
@@ -229,8 +252,8 @@ class Branching:
             clock.mark("finish")  # signal listeners taken, egress policy applied
             if timings is not None:
                 steps = {"policy": policy_ns}
-                for child in net_steps:
-                    for step, ns in child.items():
+                for child_steps in net_steps:
+                    for step, ns in child_steps.items():
                         steps[step] = steps.get(step, 0) + ns
                 timings.last_fork = {"n": n, "repl_paused": forked.get("paused"),
                                      "total": time.perf_counter() - clock.started,
@@ -240,16 +263,19 @@ class Branching:
         except BaseException as exc:
             # The other children's hellos still run when one failed: stopped before their
             # channels close (or their readers fail unobserved); what never ran is closed.
+            running += [ending] if ending is not None else []
             for task in running:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
-            for coro in [*pending, *hellos]:
+            for coro in [*pending, *hellos, *(child.answer for child in forked_children)]:
                 if asyncio.iscoroutine(coro) and \
                         inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
                     coro.close()
             await slots.abandon()
             for _, body in made:
                 await self._destroy_body(body)
+            for child in forked_children[len(made):]:  # forked, never given a root
+                await self._drop_rootless(child)
             if isinstance(exc, AgentError):  # a Conflict: the parent changed what a child needs
                 failed = errors.Conflict if exc.kind == "Conflict" else errors.EngineError
                 raise failed(f"fork failed: {exc.message}") from None
@@ -260,7 +286,7 @@ class Branching:
             raise
         self.net.refill_soon()  # leases for the next fork, after this one's answer
         self.ready_cgroups.want(limits, n)  # and cgroups
-        self.layers.want_blank(lowers, n)  # and volumes
+        self.layers.want_blank(frozen, n)  # and volumes
         if family is not None:  # and namespaces for the family's next one
             self.net.forked(family, n)
         return made
@@ -309,18 +335,23 @@ class Branching:
         steps.append(reply["steps"])
         return result
 
-    def _prepare_child(self, lowers: list[FrozenLayer], parent: LayerStack,
-                       limits: Limits) -> tuple[str, Body]:
-        """A child's id, writable volume and cgroup (made ahead if one is ready: its name is
-        the body's key); its channel is created at hand-over."""
-        sid = new_id(self.node)
+    def _child_body(self, child: _Forked, lowers: list[FrozenLayer],
+                    parent: LayerStack) -> Body:
+        """A forked child's body: its writable volume over ``lowers`` (made ahead if one is
+        ready) and the cgroup and control channel its slot went with."""
         stack = self.layers.new_stack(lowers, parent.base, parent.workspace, ids=parent.ids)
+        return Body(child.key, stack, child.cgroup, child.channel)
+
+    async def _drop_rootless(self, child: _Forked) -> None:
+        """Undo a child forked but never given its root: its network, its cgroup (which
+        kills it, if it joined), its channel (it waits there for its root: end of file
+        ends it)."""
         try:
-            cgroup = self.ready_cgroups.take(limits)
-        except BaseException:
-            self.layers.release(stack)
-            raise
-        return sid, Body(cgroup.name, stack, cgroup)
+            await self.net.release(child.key)
+            await asyncio.to_thread(child.cgroup.remove)
+        finally:
+            if child.channel is not None:
+                await child.channel.close()
 
     async def _take_signal_listener(self, body: Body, hello: dict) -> None:
         """A child past Landlock's depth added a signal filter (see runtime.signal_guard):
@@ -334,44 +365,54 @@ class Branching:
         self.signal_guard.serve(listener, SIGNAL_LISTENER + body.key)
         await body.channel.call("drop_listener")
 
-    async def _send_slot(self, slots: _ReplSlots | _WakeSlots, hostname: str, body: Body,
-                         netns: int | None):
-        """Hand the forking process a child's hostname (its id), root, control socket,
-        network namespace to join (made ahead; consumed) if any, cgroup fds and extra
-        mounts; it forks the child on receipt. Returns two awaitables: the fork's answer,
-        and the child's hello (request 0 on its own channel: ready, or why its set-up
-        failed); and what the child must have entered once it says hello."""
+    async def _send_slot(self, slots: _ReplSlots | _WakeSlots, hostname: str,
+                         child: _Forked, netns: int | None) -> None:
+        """Hand the forking process a child's hostname (its id), control socket, network
+        namespace to join (made ahead; consumed) if any and cgroup fds; it forks the
+        child on receipt. Sets the child's channel, the fork's answer and the child's
+        hello (request 0 on its own channel: ready, or why its set-up failed)."""
         fds = [] if netns is None else [netns]  # all closed here, whatever happens
-        theirs = hello = None
+        theirs = None
         try:
             ours, theirs = slots.control()
-            body.channel = AgentChannel(ours)
-            hello = _result(body.channel.events(0, body.channel.expect(0)))  # before it comes
-            joined = list(fds)
-            repl_fds = body.cgroup.join_fds("repl")
+            child.channel = AgentChannel(ours)
+            child.hello = _result(child.channel.events(0, child.channel.expect(0)))
+            if netns is not None:
+                child.netns = os.fstat(netns).st_ino
+            repl_fds = child.cgroup.join_fds("repl")
             fds += repl_fds
-            cmds_fds = body.cgroup.join_fds("cmds")
+            cmds_fds = child.cgroup.join_fds("cmds")
             fds += cmds_fds
-            mounts = body.layers.mounts()
-            fds += [fd for fd, _ in mounts]
-            fds.insert(0, body.layers.tree())
-            root = os.fstat(fds[0])
-            entered = _Entered((root.st_dev, root.st_ino),
-                               None if netns is None else os.fstat(netns).st_ino)
             slot = {"id": hostname, "nrepl": len(repl_fds), "ncmds": len(cmds_fds),
-                    "netns": bool(joined), "mounts": [path for _, path in mounts]}
-            answer = await slots.send(slot, fds if theirs is None
-                                      else [fds[0], theirs.fileno(), *fds[1:]], body.channel)
-            return answer, hello, entered
+                    "netns": netns is not None}
+            child.answer = await slots.send(slot, fds if theirs is None
+                                            else [theirs.fileno(), *fds], child.channel)
         except BaseException:
-            if hello is not None:
-                hello.close()
+            if child.hello is not None:
+                child.hello.close()
             raise
         finally:
             if theirs is not None:
                 theirs.close()
             for fd in fds:
                 os.close(fd)
+
+    @staticmethod
+    async def _send_root(body: Body, netns: int | None) -> _Entered:
+        """Send a forked child its root: the tree of its layers, and further trees to
+        attach inside it (a workspace at its host path). Returns what the child must
+        have entered once it says hello."""
+        mounts = body.layers.mounts()
+        fds = [fd for fd, _ in mounts]
+        try:
+            fds.insert(0, body.layers.tree())
+            root = os.fstat(fds[0])
+            await body.channel.send({"op": "root", "mounts": [path for _, path in mounts]},
+                                    fds=fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return _Entered((root.st_dev, root.st_ino), netns)
 
     def _fork_point(self, parent: Live, winner: Live) -> int:
         """The parent generation ``winner``'s line was forked at; raises if not a descendant."""
@@ -486,6 +527,23 @@ class Branching:
             raise errors.SandboxTimeout(f"diff failed: {exc}; pass narrower paths") from None
         except layerdiff.DiffBusy as exc:
             raise errors.Conflict(f"diff refused: {exc}") from None
+
+
+class _Forked:
+    """A fork child between its slot and its body: its id, cgroup and channel, the
+    inode of the network namespace made ahead for it (if any), the slot's answer (an
+    awaitable) and its hello."""
+
+    def __init__(self, sid: str, cgroup: SandboxCgroup) -> None:
+        self.sid, self.cgroup = sid, cgroup
+        self.channel: AgentChannel | None = None
+        self.netns: int | None = None
+        self.answer = self.hello = None
+
+    @property
+    def key(self) -> str:
+        """Its body's key: its cgroup's name."""
+        return self.cgroup.name
 
 
 class _Entered:
