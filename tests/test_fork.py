@@ -202,24 +202,25 @@ def test_failed_child_creation_cleans_up(sandbox, harness, monkeypatch, failing)
     assert sandbox.run_code("'parent fine'").text == "'parent fine'"
 
 
-def test_a_child_failing_its_set_up_fails_the_fork_and_leaves_nothing(sandbox,
-                                                                       harness) -> None:
+@pytest.mark.parametrize("step", ["enter_namespaces", "enter_root"])
+def test_a_child_failing_its_set_up_fails_the_fork_and_leaves_nothing(sandbox, harness,
+                                                                       step) -> None:
     """One child of three fails to enter its sandbox (its agent's code is the parent's,
-    which user code patched): the fork fails saying why, the other children are stopped
-    and removed with it, and the parent goes on."""
+    which user code patched), before its root came or after: the fork fails saying why,
+    the other children are stopped and removed with it, and the parent goes on."""
     portal.run(harness.engine.settle())
     before = set(harness.engine.live)
     volumes = set(harness.engine.layers.root.iterdir())
     # The first child to get here (still in the parent's root) fails, the others go on.
     sandbox.run_code("import bbagent.entry as e, os\n"
-                     "real = e.enter_root\n"
+                     f"real = e.{step}\n"
                      "def flaky(*a, **k):\n"
                      "    try:\n"
                      "        os.close(os.open('/tmp/first-child', os.O_CREAT | os.O_EXCL))\n"
                      "    except FileExistsError:\n"
                      "        return real(*a, **k)\n"
                      "    raise OSError('boom')\n"
-                     "e.enter_root = flaky")
+                     f"e.{step} = flaky")
     with pytest.raises(SandboxError, match="boom"):
         sandbox.fork(3)
     assert set(harness.engine.live) == before

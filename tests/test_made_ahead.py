@@ -54,6 +54,10 @@ def test_the_keys_least_recently_wanted_lose_theirs_past_the_bound() -> None:
         pool.want("b", 3)  # b wanted again: now c is the oldest
         await _settled(pool)
         assert {k: len(v) for k, v in pool.ready.items()} == {"c": 1, "b": 3}
+        pool.want("c", 1)  # wanted, and has enough: still the most recent now
+        pool.want("d", 1)
+        await _settled(pool)
+        assert {k: len(v) for k, v in pool.ready.items()} == {"b": 2, "c": 1, "d": 1}
 
     asyncio.run(scenario())
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
+import logging
 import os
 import signal
 import socket
@@ -34,6 +36,8 @@ from branchbox.runtime.channel import AgentChannel, AgentError
 from branchbox.runtime.dormant import Dormant
 from branchbox.runtime.fd_keeper import SIGNAL_LISTENER
 from branchbox.storage import layerdiff
+
+log = logging.getLogger("branchbox.engine")
 
 # Frozen layers a root may stack before a fork squashes them into one.
 MAX_CHAIN = 16
@@ -133,14 +137,8 @@ class Branching:
         dropped after."""
         clock = clock or _Phases()
         # What the REPL holds is read while its commands freeze: they cannot change it.
-        reading = None if pbody.repl_host is None else \
-            asyncio.ensure_future(asyncio.to_thread(_inherit, pbody.repl_host))
-        try:
-            pbody.cgroup.freeze("cmds")
-        except BaseException:
-            if reading is not None:
-                await _settled(reading)
-            raise
+        reading = None if pbody.repl_host is None else _reading(pbody.repl_host)
+        pbody.cgroup.freeze("cmds")
         if os.environ.get(FORK_FAULT_ENV) == "frozen":
             os.kill(os.getpid(), signal.SIGKILL)
         fresh: list[FrozenLayer] = []
@@ -152,17 +150,18 @@ class Branching:
                 repl = await channel.call("ping")
                 pbody.repl_host = procfs.find_repl(pbody.cgroup.leaf_pids("repl"),
                                                    int(repl.get("pid") or 0))
-                reading = asyncio.ensure_future(asyncio.to_thread(_inherit, pbody.repl_host))
+                reading = _reading(pbody.repl_host)
             inherit = await reading
             clock.mark("instant")  # commands frozen, what the REPL holds read from /proc
             yield lowers, inherit
         finally:
-            interrupted = reading is not None and await _settled(reading)
-            interrupted |= await _settled(lowers)  # a layer made meanwhile is in ``fresh``
-            for layer in fresh:
-                if layer.refs == 0:  # unused: squashed away, or nothing was made
-                    self.layers.drop(layer)
-            pbody.cgroup.freeze("cmds", frozen=False)
+            interrupted = await _settled(lowers)  # a layer made meanwhile is in ``fresh``
+            try:
+                for layer in fresh:
+                    if layer.refs == 0:  # unused: squashed away, or nothing was made
+                        self.layers.drop(layer)
+            finally:
+                pbody.cgroup.freeze("cmds", frozen=False)
             if interrupted:
                 raise asyncio.CancelledError
 
@@ -227,7 +226,13 @@ class Branching:
             for child in forked_children:
                 body = self._child_body(child, frozen, stack)
                 made.append((child.sid, body))
-                entered = await self._send_root(body, child.netns)
+                try:
+                    entered = await self._send_root(body, child.netns)
+                except OSError:  # the child is gone: its hello says why, if it could
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(child.hello, _LEAVE_BATCH)
+                    raise errors.EngineError(
+                        "fork failed: a child did not enter its sandbox") from None
                 checked = _checked(child.hello, body, entered, forker)
                 hellos.append(checked)
                 pending += [child.answer, checked if child.netns is not None
@@ -272,10 +277,14 @@ class Branching:
                         inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
                     coro.close()
             await slots.abandon()
-            for _, body in made:
-                await self._destroy_body(body)
-            for child in forked_children[len(made):]:  # forked, never given a root
-                await self._drop_rootless(child)
+            undo = [functools.partial(self._destroy_body, body) for _, body in made]
+            undo += [functools.partial(self._drop_rootless, child)  # never given a root
+                     for child in forked_children[len(made):]]
+            for step in undo:  # each, whatever happened to the others
+                try:
+                    await step()
+                except Exception as problem:  # noqa: BLE001 - logged, the rest undone
+                    log.warning("a failed fork's child could not be undone: %s", problem)
             if isinstance(exc, AgentError):  # a Conflict: the parent changed what a child needs
                 failed = errors.Conflict if exc.kind == "Conflict" else errors.EngineError
                 raise failed(f"fork failed: {exc.message}") from None
@@ -346,12 +355,12 @@ class Branching:
         """Undo a child forked but never given its root: its network, its cgroup (which
         kills it, if it joined), its channel (it waits there for its root: end of file
         ends it)."""
+        if child.channel is not None:  # first: whatever fails next, the child ends
+            await child.channel.close()
         try:
             await self.net.release(child.key)
-            await asyncio.to_thread(child.cgroup.remove)
         finally:
-            if child.channel is not None:
-                await child.channel.close()
+            await asyncio.to_thread(child.cgroup.remove)
 
     async def _take_signal_listener(self, body: Body, hello: dict) -> None:
         """A child past Landlock's depth added a signal filter (see runtime.signal_guard):
@@ -697,6 +706,14 @@ class _WakeSlots:
             self._woken = None
             answer.close()
             ours.close()
+
+
+def _reading(repl_host: int) -> asyncio.Future:
+    """``_inherit`` of the REPL, started in a thread now (not at the loop's next turn);
+    nobody waits for it after a failure (it only reads), so its error is taken here."""
+    reading = asyncio.get_running_loop().run_in_executor(None, _inherit, repl_host)
+    reading.add_done_callback(lambda done: done.cancelled() or done.exception())
+    return reading
 
 
 async def _settled(task: asyncio.Future) -> bool:

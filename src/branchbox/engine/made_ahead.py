@@ -48,25 +48,27 @@ class MadeAhead(Generic[K, T]):
     def want(self, key: K, n: int) -> None:
         """Have ``n`` (at most ``most``) ready for ``key``, made in a thread now; one batch
         at a time (a fork meanwhile takes what is there and makes the rest)."""
+        if key in self.ready:
+            self.ready.move_to_end(key)  # wanted now: the last to lose its own
         missing = min(n, self.most) - len(self.ready.get(key, ()))
         if missing <= 0 or self._making is not None or self._closed:
             return
         self._making = asyncio.get_running_loop().create_task(self._fill(key, missing))
 
     async def _fill(self, key: K, n: int) -> None:
+        """Make ``n`` for ``key`` in a thread, then remove what is past ``most``; one fill
+        at a time, and close() waits for the one under way."""
         try:
             made = await asyncio.to_thread(self._make_some, key, n)
+            if self._closed:
+                await asyncio.to_thread(self._remove_all, made)
+            elif made:
+                self.ready.setdefault(key, []).extend(made)
+                self.ready.move_to_end(key)
+                if extra := self._over_most():
+                    await asyncio.to_thread(self._remove_all, extra)
         finally:
             self._making = None
-        if self._closed:
-            await asyncio.to_thread(self._remove_all, made)
-            return
-        if not made:
-            return
-        self.ready.setdefault(key, []).extend(made)
-        self.ready.move_to_end(key)
-        if extra := self._over_most():
-            await asyncio.to_thread(self._remove_all, extra)
 
     def _make_some(self, key: K, n: int) -> list[T]:
         """Up to ``n``; a failure (no memory or disk for one more, say) keeps those made
@@ -94,8 +96,13 @@ class MadeAhead(Generic[K, T]):
         return extra
 
     def _remove_all(self, items: list[T]) -> None:
+        """Remove each, whatever happens to the others (a failure is logged: the next
+        start sweeps what is left)."""
         for item in items:
-            self.remove(item)
+            try:
+                self.remove(item)
+            except OSError as exc:
+                log.warning("%s made ahead, removing %s: %s", self.what, item, exc)
 
     async def close(self) -> None:
         """Remove everything made ahead (the daemon stops), once a batch under way is in."""

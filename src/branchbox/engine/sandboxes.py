@@ -198,7 +198,8 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
         while self._background:  # expiries and teardowns under way
             await asyncio.gather(*list(self._background), return_exceptions=True)
         await self.ready_cgroups.close()
-        await self.layers.blank.close()
+        if self.layers is not None:
+            await self.layers.blank.close()
         if self.config.keep:
             await self._leave_running()
             if self.net is not None:
