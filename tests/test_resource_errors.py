@@ -75,8 +75,14 @@ def test_the_process_limit_is_a_429(daemon: ServedDaemon) -> None:
             sb.exec("true")
         assert caught.value.status == 429
         assert "process limit" in caught.value.message, caught.value.message
+        with pytest.raises(ResourceLimit) as caught:  # the REPL cannot fork a child either
+            sb.fork(2)
+        assert caught.value.status == 429 and "fork failed" in caught.value.message
         filler.kill()  # its process group: the sleeps too
         assert eventually(lambda: _runs(sb), within=30)
+        (child,) = sb.fork(1)  # nothing of the failed fork is left in the way
+        assert child.run_code("1 + 1").text == "2"
+        child.close()
 
 
 def _runs(sb: Sandbox) -> bool:

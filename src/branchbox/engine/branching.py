@@ -47,8 +47,11 @@ MAX_CHAIN = 16
 # recorded the parent's new body, before the winner's id is closed.
 FORK_FAULT_ENV = "BRANCHBOX_FORK_FAULT"
 DEFAULT_DIFF_PATHS = ("/root", "/tmp")
-# Seconds a failed fork gives the REPL to leave its fork batch (it may be the reason).
+# Seconds a failed fork gives the REPL to leave its fork batch (it may be the reason),
+# and a child gone before its root to say why.
 _LEAVE_BATCH = 5.0
+# What an agent's failure to fork a child keeps of its type (the rest is the engine's).
+_FORK_FAILURES = ("Conflict", "ResourceLimit", "NoSpace")
 
 
 class Branching:
@@ -228,8 +231,9 @@ class Branching:
                 made.append((child.sid, body))
                 try:
                     entered = await self._send_root(body, child.netns)
-                except OSError:  # the child is gone: its hello says why, if it could
-                    with contextlib.suppress(TimeoutError):
+                except OSError:  # never forked, or gone: the forker's answer or the
+                    with contextlib.suppress(TimeoutError):  # child's hello says why
+                        await asyncio.wait_for(child.answer, _LEAVE_BATCH)
                         await asyncio.wait_for(child.hello, _LEAVE_BATCH)
                     raise errors.EngineError(
                         "fork failed: a child did not enter its sandbox") from None
@@ -285,8 +289,10 @@ class Branching:
                     await step()
                 except Exception as problem:  # noqa: BLE001 - logged, the rest undone
                     log.warning("a failed fork's child could not be undone: %s", problem)
-            if isinstance(exc, AgentError):  # a Conflict: the parent changed what a child needs
-                failed = errors.Conflict if exc.kind == "Conflict" else errors.EngineError
+            if isinstance(exc, AgentError):  # a Conflict: the parent changed what a child
+                # needs; ResourceLimit, NoSpace: the forker could not fork (EAGAIN, ENOSPC)
+                failed = errors.AGENT_ERRORS[exc.kind] if exc.kind in _FORK_FAILURES \
+                    else errors.EngineError
                 raise failed(f"fork failed: {exc.message}") from None
             if isinstance(exc, ChannelClosed):
                 raise errors.EngineError(
