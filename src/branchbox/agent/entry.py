@@ -1,8 +1,11 @@
 """How a process becomes a sandbox: the exact privileged sequence, one step per call.
 
 Both the first REPL of a family (spawned by ``runtime.family_init``) and every
-fork child (``agent.forking``) go through :func:`enter_sandbox` before any user
-code runs. The caller is uid 0 of the family's user namespace, with its
+fork child (``agent.forking``) go through these steps before any user code runs:
+:func:`enter_sandbox` takes them all; a fork child takes steps 1-4
+(:func:`enter_namespaces`) while the daemon still freezes its parent's layer, and
+steps 5-8 (:func:`enter_root`) once its root tree came. The caller is uid 0 of
+the family's user namespace, with its
 capabilities, and its active PID namespace is the family namespace P. The
 order matters:
 
