@@ -203,7 +203,7 @@ class Branching:
         forked_children: list[_Forked] = []  # slots sent, roots not yet
         pending: list = []  # each slot's answer, then each child's hello
         net_steps: list[dict] = []  # per child: its network's steps (ns), networking.attach
-        hellos: list = []  # and their wrappers: closed too if they never ran
+        checks: list = []  # the hellos' wrappers: closed too if they never ran
         running: list[asyncio.Future] = []  # pending, once gathered
         ending: asyncio.Future | None = None  # the forking process's answer to their end
         limits = self._limits(meta.get("memory_mb"))
@@ -219,7 +219,6 @@ class Branching:
                 if hostname is not None and netns is not None:  # it will take owner's id
                     self.net.address_ahead(child.key, netns, owner.body.key)
                 await self._send_slot(slots, hostname or child.sid, child, netns)
-                hellos.append(child.hello)
                 if netns is not None:
                     net_steps.append({"take": took})
             ending = asyncio.ensure_future(slots.end())  # the forks' end, answered meanwhile
@@ -238,7 +237,7 @@ class Branching:
                     raise errors.EngineError(
                         "fork failed: a child did not enter its sandbox") from None
                 checked = _checked(child.hello, body, entered, forker)
-                hellos.append(checked)
+                checks.append(checked)
                 pending += [child.answer, checked if child.netns is not None
                             else self._networked(checked, body, net_steps)]
             forked = await ending
@@ -276,7 +275,8 @@ class Branching:
             for task in running:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
-            for coro in [*pending, *hellos, *(child.answer for child in forked_children)]:
+            for coro in [*pending, *checks,
+                         *(c for child in forked_children for c in (child.answer, child.hello))]:
                 if asyncio.iscoroutine(coro) and \
                         inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
                     coro.close()
@@ -402,10 +402,6 @@ class Branching:
                     "netns": netns is not None}
             child.answer = await slots.send(slot, fds if theirs is None
                                             else [theirs.fileno(), *fds], child.channel)
-        except BaseException:
-            if child.hello is not None:
-                child.hello.close()
-            raise
         finally:
             if theirs is not None:
                 theirs.close()

@@ -173,14 +173,11 @@ class Layers:
         blank = self.blank.take(disk_bytes)  # bounded already, as long as it exists
         try:
             os.rename(blank, volume)
-        except BaseException:
-            self.backend.delete(blank)
-            raise
-        try:
             rootfs.prepare_writable(volume, ids.base,
                                     workspace.lower.host if workspace else None)
         except BaseException:
-            self.backend.delete(volume)
+            for path in (blank, volume):  # wherever it is (a missing one is no error)
+                self.backend.delete(path)
             raise
         for layer in frozen:
             layer.refs += 1

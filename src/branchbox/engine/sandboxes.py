@@ -164,7 +164,7 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
                      f"{cfg.disk_mb} MiB" if cfg.disk_mb > 0 else "none")
         else:
             log.warning("no per-sandbox disk limits: %s", self.store.no_quota)
-        self._clear_volumes()
+        self.layers.clear(self._kept_volumes() | self._image_volumes())
         # Only stopped and re-attached sandboxes' files are left in the store: their
         # families keep their id slots, every other slot is free again.
         self.ids.recover({rec.family for rec in self.records.live()})
@@ -188,9 +188,6 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
         for cg in SandboxCgroup.leftovers(self.config.cgroup_group):
             if cg.name not in keep:
                 cg.remove()
-
-    def _clear_volumes(self) -> None:
-        self.layers.clear(self._kept_volumes() | self._image_volumes())
 
     async def stop(self) -> None:
         self._stopping = True
