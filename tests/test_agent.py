@@ -411,6 +411,26 @@ def test_exec_cwd_and_env(agent: AgentProcess, tmp_path: Path) -> None:
     assert "cwd does not exist" in final["error"]["message"]
 
 
+@pytest.mark.parametrize("env", [{}, {"SHLVL": "4", "PWD": "/"}, {"SHLVL": "x"}])
+def test_a_plain_command_sees_what_bash_would_give_it(agent: AgentProcess, tmp_path: Path,
+                                                       env: dict[str, str]) -> None:
+    """``env`` runs without bash (agent.plain_command), ``'env'`` (quoted) through bash,
+    which execs it in its place: the same environment, the same output."""
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    for cwd in (str(tmp_path), str(link)):
+        plain, _err, final = agent.exec(cmd="env -0", cwd=cwd, env=env)
+        assert final["result"]["exit_code"] == 0
+        via_bash = agent.exec(cmd="'env' -0", cwd=cwd, env=env)[0]
+        assert sorted(plain.split("\0")) == sorted(via_bash.split("\0"))
+    _out, err, final = agent.exec(cmd="env -x")
+    assert final["result"]["exit_code"] == 125 and "invalid option" in err
+    script = tmp_path / "no-hash-bang"
+    script.write_text("echo ran by $0\n")
+    script.chmod(0o755)
+    assert agent.exec(cmd=f"{script} x")[0] == f"ran by {script}\n"  # bash's own run
+
+
 def test_exec_command_not_found(agent: AgentProcess) -> None:
     _out, err, final = agent.exec(cmd="no-such-command-bb")
     assert final["result"]["exit_code"] == 127

@@ -185,6 +185,15 @@ def test_exec(sandbox: Sandbox) -> None:
     assert "".join(chunks) == result.stderr
 
 
+def test_a_plain_command_runs_as_bash_would_run_it(sandbox: Sandbox) -> None:
+    """``env`` is started without bash (agent.plain_command); quoted, through bash, which
+    execs it in its place: in a sandbox, through its spawner, the same environment."""
+    plain = sandbox.exec("env -0", cwd="/tmp", env={"SHLVL": "2"}).stdout.split("\0")
+    via_bash = sandbox.exec("'env' -0", cwd="/tmp", env={"SHLVL": "2"}).stdout.split("\0")
+    assert sorted(plain) == sorted(via_bash) and "_=/usr/bin/env" in plain
+    assert sandbox.exec("ls -d /tmp /root").stdout == "/root\n/tmp\n"
+
+
 def test_command_not_found(sandbox: Sandbox) -> None:
     with pytest.raises(CommandNotFound):
         sandbox.exec(["no-such-program"])

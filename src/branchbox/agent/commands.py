@@ -37,6 +37,7 @@ from functools import partial
 from typing import IO, Protocol
 
 from . import protocol
+from .plain_command import without_shell
 from .server import Agent, OutputLimit, RequestError, Timer, output_limit, param, timeout_param
 from .spawner import spawn
 
@@ -350,6 +351,9 @@ def _spawn(req: dict, spawner: Callable[[], int] | None
     env = param(req, "env", dict, {})
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise RequestError("InvalidRequest", "field 'env' must map strings to strings")
+    env = {**os.environ, **env}
+    if shell and (plain := without_shell(cmd, env, cwd or os.getcwd())) is not None:
+        argv, env = plain  # what bash would have exec'd, without bash
     size = _terminal_size(req)
     if size is not None:
         return _spawn_terminal(spawner, argv, cwd, env, size) + (display, shell)
@@ -357,12 +361,12 @@ def _spawn(req: dict, spawner: Callable[[], int] | None
     sock = spawner() if spawner else -1
     try:
         if sock >= 0:
-            proc: Process = spawn(sock, argv, cwd, {**os.environ, **env}, stdin_r)
+            proc: Process = spawn(sock, argv, cwd, env, stdin_r)
         else:  # the agent run bare, outside a sandbox
             proc = subprocess.Popen(
                 argv,
                 cwd=cwd,
-                env={**os.environ, **env},
+                env=env,
                 stdin=subprocess.DEVNULL if stdin_r is None else stdin_r,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -412,7 +416,7 @@ def _spawn_terminal(spawner: Callable[[], int] | None, argv: list[str], cwd: str
     master, slave = os.openpty()
     try:
         set_terminal_size(master, size)
-        proc = spawn(sock, argv, cwd, {**os.environ, **env}, tty=slave)
+        proc = spawn(sock, argv, cwd, env, tty=slave)
     except BaseException:
         os.close(master)
         raise
