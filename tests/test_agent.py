@@ -425,10 +425,28 @@ def test_a_plain_command_sees_what_bash_would_give_it(agent: AgentProcess, tmp_p
         assert sorted(plain.split("\0")) == sorted(via_bash.split("\0"))
     _out, err, final = agent.exec(cmd="env -x")
     assert final["result"]["exit_code"] == 125 and "invalid option" in err
-    script = tmp_path / "no-hash-bang"
-    script.write_text("echo ran by $0\n")
-    script.chmod(0o755)
-    assert agent.exec(cmd=f"{script} x")[0] == f"ran by {script}\n"  # bash's own run
+
+
+def test_a_plain_command_the_kernel_will_not_run_is_bashs(agent: AgentProcess,
+                                                            tmp_path: Path) -> None:
+    """The file found is exec'd as it is; when that fails, bash runs the line after all,
+    so what comes out is what bash does: run a script without #! itself, or say why it
+    cannot run the file (a missing interpreter), never a later file on PATH."""
+    first, later = tmp_path / "first", tmp_path / "later"
+    for where, text in ((first, "#!/nonexistent/interp\n"), (later, "#!/bin/sh\necho later\n")):
+        where.mkdir()
+        (where / "prog").write_text(text)
+        (where / "prog").chmod(0o755)
+    (first / "bare").write_text("echo ran by $0 in ${BASH_VERSION:+bash}\n")
+    (first / "bare").chmod(0o755)
+    env = {"PATH": f"{first}:{later}:/usr/bin:/bin"}
+    for line in ("prog x", "bare y"):
+        plain = agent.exec(cmd=line, env=env)
+        quoted = agent.exec(cmd=f"'{line.split()[0]}' {line.split()[1]}", env=env)
+        assert (plain[0], plain[1], plain[2]["result"]["exit_code"]) == \
+            (quoted[0], quoted[1], quoted[2]["result"]["exit_code"])
+    assert "later" not in agent.exec(cmd="prog", env=env)[0]
+    assert agent.exec(cmd="bare", env=env)[0] == f"ran by {first / 'bare'} in bash\n"
 
 
 def test_exec_command_not_found(agent: AgentProcess) -> None:

@@ -26,7 +26,8 @@
  *    the process that mounts it), then reaps orphans forever;
  * 4. writes one NUL byte to READY_FD (or an error message);
  * 5. serves SPAWN_FD (SOCK_SEQPACKET): each message carries four fds —
- *    stdin, stdout, stderr, and a memfd holding "cwd\0argv...\0\0env...\0" —
+ *    stdin, stdout, stderr, and a memfd holding "cwd\0file\0argc\0argv...\0env...\0"
+ *    (file: the program to exec; empty: argv[0], looked up on the command's PATH) —
  *    and is answered with "pid errno step" once the command has exec'd (pid
  *    > 0) or failed (step 1: chdir, 2: exec), with a pidfd of the command
  *    (SCM_RIGHTS) when it runs. Commands are cloned with CLONE_PARENT, so
@@ -98,25 +99,29 @@ static void q_init(const char *proc_dir, int status_w) {
     reap_forever();
 }
 
-/* Split a request (cwd, argc in decimal, argc arguments, then KEY=VALUE strings, each
- * NUL-terminated) into cwd, argv and envp (pointers into buf); 0 if malformed. The count,
- * not an empty string, ends argv: an empty argument is a legitimate one. */
-static int parse(char *buf, size_t len, char **cwd, char ***argv, char ***envp) {
+/* Split a request (cwd, the file to exec or "", argc in decimal, argc arguments, then
+ * KEY=VALUE strings, each NUL-terminated) into cwd, file, argv and envp (pointers into
+ * buf); 0 if malformed. The count, not an empty string, ends argv: an empty argument is
+ * a legitimate one. */
+static int parse(char *buf, size_t len, char **cwd, char **file, char ***argv,
+                 char ***envp) {
     if (len == 0 || buf[len - 1] != '\0')
         return 0;
     size_t count = 0;
     for (size_t i = 0; i < len; i++)
         count += buf[i] == '\0';
-    if (count < 3 || count > MAX_STRINGS)
+    if (count < 4 || count > MAX_STRINGS)
         return 0;
     char *p = buf, *end = buf + len;
     *cwd = p;
+    p += strlen(p) + 1;
+    *file = p;
     p += strlen(p) + 1;
     char *digits_end;
     errno = 0;
     unsigned long argc = strtoul(p, &digits_end, 10);
     if (errno || *p < '0' || *p > '9' || *digits_end != '\0' || argc == 0 ||
-        argc > count - 2)
+        argc > count - 3)
         return 0;
     p = digits_end + 1;
     char **list = calloc(count + 2, sizeof(char *));
@@ -134,7 +139,8 @@ static int parse(char *buf, size_t len, char **cwd, char ***argv, char ***envp) 
     return 1;
 }
 
-static void child(int fds[4], int err_w, char *cwd, char **argv, char **envp) {
+static void child(int fds[4], int err_w, char *cwd, char *file, char **argv,
+                  char **envp) {
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
@@ -153,7 +159,10 @@ static void child(int fds[4], int err_w, char *cwd, char **argv, char **envp) {
     if (chdir(cwd) == 0) {
         step = 2;
         environ = envp;
-        execvp(argv[0], argv);
+        if (*file)
+            execve(file, argv, envp);
+        else
+            execvp(argv[0], argv);
     }
     int report[2] = {errno, step};
     if (write(3, report, sizeof report) < 0)
@@ -186,14 +195,14 @@ static void answer(int sock, long pid, int err, int step, int pidfd) {
 
 static void spawn_one(int sock, int fds[4]) {
     struct stat st;
-    char *buf = NULL, *cwd, **argv, **envp;
+    char *buf = NULL, *cwd, *file, **argv, **envp;
     if (fstat(fds[3], &st) != 0 || st.st_size <= 0 || st.st_size > MAX_REQUEST ||
         !(buf = malloc(st.st_size))) {
         answer(sock, -1, EINVAL, 0, -1);
         return;
     }
     if (pread(fds[3], buf, st.st_size, 0) != st.st_size ||
-        !parse(buf, st.st_size, &cwd, &argv, &envp)) {
+        !parse(buf, st.st_size, &cwd, &file, &argv, &envp)) {
         free(buf);
         answer(sock, -1, EINVAL, 0, -1);
         return;
@@ -209,7 +218,7 @@ static void spawn_one(int sock, int fds[4]) {
     long pid = syscall(SYS_clone, CLONE_PARENT | CLONE_PIDFD | SIGCHLD, 0, &pidfd, 0, 0);
     if (pid == 0) {
         close(err[0]);
-        child(fds, err[1], cwd, argv, envp);
+        child(fds, err[1], cwd, file, argv, envp);
     }
     int saved = errno;
     close(err[1]);

@@ -29,7 +29,6 @@ import shlex
 import signal
 import struct
 import subprocess
-import sys
 import termios
 import time
 from collections.abc import Callable
@@ -352,27 +351,16 @@ def _spawn(req: dict, spawner: Callable[[], int] | None
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise RequestError("InvalidRequest", "field 'env' must map strings to strings")
     env = {**os.environ, **env}
-    if shell and (plain := without_shell(cmd, env, cwd or os.getcwd())) is not None:
-        argv, env = plain  # what bash would have exec'd, without bash
-    size = _terminal_size(req)
-    if size is not None:
-        return _spawn_terminal(spawner, argv, cwd, env, size) + (display, shell)
-    stdin_r, stdin_w = os.pipe() if param(req, "stdin", bool, False) else (None, None)
-    sock = spawner() if spawner else -1
+    size, stdin = _terminal_size(req), param(req, "stdin", bool, False)
+    plain = without_shell(cmd, env, cwd or os.getcwd()) if shell else None
     try:
-        if sock >= 0:
-            proc: Process = spawn(sock, argv, cwd, env, stdin_r)
-        else:  # the agent run bare, outside a sandbox
-            proc = subprocess.Popen(
-                argv,
-                cwd=cwd,
-                env=env,
-                stdin=subprocess.DEVNULL if stdin_r is None else stdin_r,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                bufsize=0,
-                start_new_session=True,
-            )
+        if plain is not None:  # what bash would have exec'd, without bash
+            try:
+                return _start(spawner, plain[1], cwd, plain[2], size, stdin,
+                              executable=plain[0]) + (display, shell)
+            except OSError:  # not exec'd as it is: bash runs the line, or says why
+                pass
+        return _start(spawner, argv, cwd, env, size, stdin) + (display, shell)
     except ValueError as exc:  # NUL in an argument, "=" in a variable name
         raise RequestError("InvalidRequest", str(exc)) from exc
     except OSError as exc:
@@ -383,12 +371,41 @@ def _spawn(req: dict, spawner: Callable[[], int] | None
         if exc.errno in (errno.EACCES, errno.ENOEXEC, errno.E2BIG):
             raise RequestError("InvalidRequest", f"cannot run {argv[0]}: {exc.strerror}") from exc
         raise
+
+
+def _start(spawner: Callable[[], int] | None, argv: list[str], cwd: str | None, env: dict,
+           size: tuple[int, int] | None, stdin: bool, executable: str | None = None
+           ) -> tuple[Process, int | None]:
+    """Start ``argv`` (the file ``executable``, else ``argv[0]`` on ``env``'s PATH), on a
+    terminal of ``size`` or on pipes; returns (process, where its input is written, if
+    it has a terminal or was asked for ``stdin``). Raises as Popen does."""
+    if size is not None:
+        return _spawn_terminal(spawner, argv, cwd, env, size, executable)
+    stdin_r, stdin_w = os.pipe() if stdin else (None, None)
+    sock = spawner() if spawner else -1
+    try:
+        if sock >= 0:
+            proc: Process = spawn(sock, argv, cwd, env, stdin_r, executable=executable)
+        else:  # the agent run bare, outside a sandbox
+            proc = subprocess.Popen(
+                argv,
+                executable=executable,
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.DEVNULL if stdin_r is None else stdin_r,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                bufsize=0,
+                start_new_session=True,
+            )
+    except BaseException:
+        if stdin_w is not None:
+            os.close(stdin_w)
+        raise
     finally:
         if stdin_r is not None:
             os.close(stdin_r)
-        if stdin_w is not None and sys.exc_info()[0] is not None:
-            os.close(stdin_w)
-    return proc, stdin_w, display, shell
+    return proc, stdin_w
 
 
 def _terminal_size(req: dict) -> tuple[int, int] | None:
@@ -407,7 +424,8 @@ def set_terminal_size(fd: int, size: tuple[int, int]) -> None:
 
 
 def _spawn_terminal(spawner: Callable[[], int] | None, argv: list[str], cwd: str | None,
-                    env: dict, size: tuple[int, int]) -> tuple[Process, int]:
+                    env: dict, size: tuple[int, int],
+                    executable: str | None = None) -> tuple[Process, int]:
     """Start a command on a new terminal of ``size``: (process reading as stdout from the
     terminal's master end, a descriptor of the master end to write its input to)."""
     sock = spawner() if spawner else -1
@@ -416,7 +434,7 @@ def _spawn_terminal(spawner: Callable[[], int] | None, argv: list[str], cwd: str
     master, slave = os.openpty()
     try:
         set_terminal_size(master, size)
-        proc = spawn(sock, argv, cwd, env, tty=slave)
+        proc = spawn(sock, argv, cwd, env, tty=slave, executable=executable)
     except BaseException:
         os.close(master)
         raise

@@ -9,13 +9,14 @@ the lines where bash would do nothing else.
 
 Only such lines are taken: words of plain characters separated by blanks (no
 quoting, expansion, globs, redirections, operators, comments, or an assignment as
-the first word), a first word that is not a bash builtin or keyword, found on a
-PATH of absolute directories as an executable file that the kernel runs itself
-(an ELF binary or a ``#!`` script: bash runs a file without either as a script of
-its own), and no variable in the environment that changes how bash starts. The
-environment gets what bash adds to it: ``PWD``, ``SHLVL`` (as bash leaves it after
-its one-command exec) and ``_``. Every other line goes to bash as before, so its
-error messages (not found, not executable) stay bash's.
+the first word), a first word that is not a bash builtin or keyword and names an
+executable file (by path, or the first on a PATH of absolute directories, as bash
+looks), and an environment with nothing bash reads, rewrites or drops at its start
+(its own variables, a prompt, a locale it would warn about...). The environment gets
+what bash adds: ``PWD``, ``SHLVL`` (as bash leaves it after its one-command exec) and
+``_``. The caller execs exactly that file, and runs the line under bash after all
+if that exec fails (a script without ``#!``, a missing interpreter, a foreign
+binary: bash then runs it or says why, as before). Every other line goes to bash.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import os
 import re
 
 _WORDS = re.compile(r"[ \t]*([A-Za-z0-9_./:,+@%=-]+(?:[ \t]+[A-Za-z0-9_./:,+@%=-]+)*)[ \t]*")
-_SHLVL = re.compile(r"\s*[+-]?[0-9]+\s*")
 # bash 5.2's `compgen -b` and `compgen -k`: these never reach an exec.
 _BASH_OWN = frozenset({
     ".", ":", "[", "alias", "bg", "bind", "break", "builtin", "caller", "cd", "command",
@@ -37,26 +37,30 @@ _BASH_OWN = frozenset({
     "case", "esac", "for", "select", "while", "until", "do", "done", "in", "function",
     "time", "{", "}", "!", "[[", "]]", "coproc",
 })
-# Variables bash reads at its start that can make it do more than exec the command:
-# run a file, trace, define exported functions (BASH_FUNC_*).
-_BASH_START = ("BASH_ENV", "SHELLOPTS", "BASHOPTS")
+# Variables bash sets, rewrites or drops at its start (its own, prompts, IFS...), or that
+# make it do more than exec the command (run a file, trace, exported functions, POSIX
+# mode's PWD, Debian's ~/.bashrc for SSH sessions); and every BASH* name.
+_BASH_READS = frozenset({
+    "RANDOM", "SRANDOM", "SECONDS", "EPOCHSECONDS", "EPOCHREALTIME", "LINENO", "HISTCMD",
+    "PPID", "COMP_WORDBREAKS", "IFS", "PS1", "PS2", "PS4", "OPTIND", "OPTERR",
+    "POSIXLY_CORRECT", "SHELLOPTS", "SSH_CLIENT", "SSH2_CLIENT",
+})
+_QUIET_LC_ALL = ("", "C", "POSIX", "C.UTF-8", "C.utf8")  # any other may make bash warn
+_SHLVL = re.compile(r"[ \t\n\v\f\r]*[+-]?[0-9]+[ \t]*")  # as bash's legal_number reads it
 _SHLVL_MAX = 998  # bash counts 999 + 1 as too deep, says so and resets it
-_MAGIC = (b"\x7fELF", b"#!")
 
 
 def without_shell(line: str, env: dict[str, str],
-                  cwd: str) -> tuple[list[str], dict[str, str]] | None:
-    """(argv, environment) to exec in place of ``bash -c line`` with ``env`` in ``cwd``,
-    or None if bash must run the line. Looks at the file system (PATH, ``cwd``) as the
-    command will see it."""
+                  cwd: str) -> tuple[str, list[str], dict[str, str]] | None:
+    """(file, argv, environment) to exec in place of ``bash -c line`` with ``env`` in
+    ``cwd``, or None if bash must run the line. Looks at the file system (PATH,
+    ``cwd``) as the command will see it."""
     words = _WORDS.fullmatch(line)
     if words is None:
         return None
     argv = words.group(1).split()
     name = argv[0]
-    if name in _BASH_OWN or "=" in name:
-        return None
-    if any(key in env for key in _BASH_START) or any(k.startswith("BASH_FUNC_") for k in env):
+    if name in _BASH_OWN or "=" in name or not cwd.startswith("/") or _bash_reads(env, cwd):
         return None
     shlvl = _shell_level(env.get("SHLVL", ""))
     if shlvl is None:
@@ -64,7 +68,19 @@ def without_shell(line: str, env: dict[str, str],
     path = _found(name, env.get("PATH"), cwd)
     if path is None:
         return None
-    return argv, {**env, "PWD": _pwd(env.get("PWD"), cwd), "SHLVL": str(shlvl), "_": path}
+    return path, argv, {**env, "PWD": _pwd(env.get("PWD"), cwd), "SHLVL": str(shlvl),
+                        "_": path}
+
+
+def _bash_reads(env: dict[str, str], cwd: str) -> bool:
+    """Whether bash, starting with ``env`` in ``cwd``, would change the environment it
+    passes on in ways other than PWD, SHLVL and ``_``, or say something."""
+    if any(key.startswith("BASH") or key in _BASH_READS for key in env):
+        return True
+    if env.get("LC_ALL", "") not in _QUIET_LC_ALL:
+        return True
+    oldpwd = env.get("OLDPWD")  # bash drops one that is not a directory
+    return oldpwd is not None and not (oldpwd and os.path.isdir(os.path.join(cwd, oldpwd)))
 
 
 def _shell_level(value: str) -> int | None:
@@ -75,42 +91,25 @@ def _shell_level(value: str) -> int | None:
 
 
 def _found(name: str, path_var: str | None, cwd: str) -> str | None:
-    """The file bash would exec for command word ``name`` (as it names it in ``_``),
-    if it is one the kernel runs itself; None otherwise, and for a PATH or working
-    directory the exec could read differently (unset, or relative)."""
-    if not cwd.startswith("/"):
-        return None
+    """The file bash would exec for command word ``name``, as it names it in ``_``;
+    None if there is none, or for a PATH it could read differently (unset, or with
+    relative entries)."""
     if "/" in name:
-        return name if _executable(os.path.join(cwd, name)) == "kernel" else None
+        return name if _executable(os.path.join(cwd, name)) else None
     if not path_var:
         return None
     dirs = path_var.split(":")
     if not all(d.startswith("/") for d in dirs):
         return None
-    for directory in dirs:  # bash takes the first executable file, as exec does
+    for directory in dirs:  # bash takes the first executable file
         candidate = os.path.join(directory, name)
-        kind = _executable(candidate)
-        if kind is not None:
-            return candidate if kind == "kernel" else None
+        if _executable(candidate):
+            return candidate
     return None
 
 
-def _executable(path: str) -> str | None:
-    """None unless ``path`` is an executable regular file; "kernel" if it starts with an
-    ELF header or ``#!``, else "shell" (bash would run it as a script of its own)."""
-    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
-        return None
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return "shell"  # unreadable: let bash say what it says
-    try:
-        head = os.read(fd, 4)
-    except OSError:
-        head = b""
-    finally:
-        os.close(fd)
-    return "kernel" if head.startswith(_MAGIC) else "shell"
+def _executable(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
 
 
 def _pwd(inherited: str | None, cwd: str) -> str:

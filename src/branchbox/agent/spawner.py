@@ -4,7 +4,7 @@ A command must be born in Q, the sandbox's command PID namespace, while the
 REPL itself stays in the family namespace P with P as its pid_for_children
 for good (see ``bb_init.c`` for why). So the REPL does not start commands
 itself: it sends bb-init the command's stdin, stdout and stderr and a memfd
-holding ``cwd\\0argv...\\0\\0env...\\0``; bb-init clones it with CLONE_PARENT
+holding ``cwd\\0file\\0argc\\0argv...\\0env...\\0``; bb-init clones it with CLONE_PARENT
 (it is then the REPL's own child, which the REPL waits for as it would for a
 Popen) and answers once it has exec'd or failed, with a pidfd of it: the agent
 watches the command's exit through that (pidfd_open is refused in sandboxes).
@@ -43,10 +43,11 @@ class Spawned:
         return self.returncode
 
 
-def _request(argv: list[str], cwd: str, env: dict[str, str]) -> bytes:
-    """The request text (cwd, argc, the arguments, the environment; bb-init's ``parse``);
-    ValueError where Popen would raise it (NUL, "=" in a name)."""
-    parts = [cwd, str(len(argv)), *argv]
+def _request(argv: list[str], cwd: str, env: dict[str, str], executable: str) -> bytes:
+    """The request text (cwd, the file to exec or "", argc, the arguments, the
+    environment; bb-init's ``parse``); ValueError where Popen would raise it (NUL, "="
+    in a name)."""
+    parts = [cwd, executable, str(len(argv)), *argv]
     for key, value in env.items():
         if "=" in key or not key:
             raise ValueError(f"illegal environment variable name: {key!r}")
@@ -57,15 +58,17 @@ def _request(argv: list[str], cwd: str, env: dict[str, str]) -> bytes:
 
 
 def spawn(spawner: int, argv: list[str], cwd: str | None, env: dict[str, str],
-          stdin: int | None = None, tty: int | None = None) -> Spawned:
-    """Start ``argv`` in Q; OSError as Popen raises it (filename = cwd or argv[0]).
+          stdin: int | None = None, tty: int | None = None,
+          executable: str | None = None) -> Spawned:
+    """Start ``argv`` in Q (the file ``executable``, else ``argv[0]`` looked up on
+    ``env``'s PATH); OSError as Popen raises it (filename = cwd or argv[0]).
 
     ``stdin`` (a descriptor the caller keeps and closes) is the command's stdin, else
     /dev/null. With ``tty`` (a terminal's slave end, kept by the caller) the terminal is
     its stdin, stdout and stderr and its controlling terminal, and the result has no
     pipes: the caller reads the master end."""
     cwd = cwd or os.getcwd()
-    request = _request(argv, cwd, env)
+    request = _request(argv, cwd, env, executable or "")
     memfd = os.memfd_create("bb-spawn", os.MFD_CLOEXEC)
     if tty is not None:
         out_r = err_r = None
