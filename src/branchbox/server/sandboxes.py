@@ -17,7 +17,10 @@ router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
 
 @router.post("", status_code=201)
 async def create_sandbox(body: CreateSandbox, engine: EngineDep) -> dict:
-    """Start a sandbox; answers once its REPL is ready, with its info."""
+    """Start a sandbox; answers once its REPL is ready, with its info. Without its
+    resource use (``GET`` has it): a sandbox just made uses next to nothing, and
+    reading that from its cgroups and /proc in a thread took longer than the rest of a
+    create from the warm pool (4.6 against 8.6 ms a create, one client)."""
     disk_mb = body.disk_mb
     # Podflare's rootfs_gb asks for at least that much disk: a limit where the store
     # has quotas; where it has none every sandbox may already use the whole store.
@@ -30,7 +33,7 @@ async def create_sandbox(body: CreateSandbox, engine: EngineDep) -> dict:
                              internet=body.internet if body.internet is not None else body.egress,
                              network=body.network.model_dump(exclude_none=True)
                              if body.network else None)
-    return await engine.report(sb.id)
+    return engine.info(sb.id)
 
 
 @router.get("")
