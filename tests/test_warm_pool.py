@@ -45,3 +45,28 @@ def test_a_burst_is_kept_ready_then_the_pool_shrinks_back(harness, monkeypatch) 
     assert len(engine._warm["default"]) == 3  # never more than warm_max
     portal.run(engine._drop_warm())  # the next tests start from the configured pool
     engine._demand.clear()
+
+
+def test_a_hand_out_is_what_its_create_asked_for(harness) -> None:
+    """A create that asks for nothing takes a warm sandbox as it started (its REPL in
+    warm.WARM_CWD with the default environment, no call made to it); one that asks for
+    an environment or another directory gets them, from the pool as well."""
+    engine = harness.engine
+    probe = "import os; (os.getcwd(), sorted(os.environ))"
+    for asked in ({}, {"env": {"BB_ASKED": "1"}}, {"cwd": "/tmp/asked"}):
+        portal.run(_refilled(engine))
+        ready = {sb.id for sb in engine._warm["default"]}
+        with harness.sandbox(**asked) as sb:
+            assert sb.id in ready  # a hand-out
+            cwd, names = eval(sb.run_code(probe).text)  # noqa: S307 - the REPL's own repr
+            assert cwd == asked.get("cwd", warm.WARM_CWD)
+            assert ("BB_ASKED" in names) == ("env" in asked)
+            with harness.sandbox(image="default", env={"BB_COLD": "x"}, cwd="/tmp") as other:
+                base = set(eval(other.run_code(probe).text)[1]) - {"BB_COLD"}  # noqa: S307
+            assert set(names) - {"BB_ASKED"} == base  # the environment a create starts with
+
+
+async def _refilled(engine) -> None:
+    """The default image's pool refilled (an earlier test may have emptied it)."""
+    engine._refill("default")
+    await engine.settle()

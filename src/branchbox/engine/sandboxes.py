@@ -50,7 +50,7 @@ from branchbox.engine.run_guard import (
 )
 from branchbox.engine.stopped import Stopped, StoppedSandboxes, describe
 from branchbox.engine.templates import Templates
-from branchbox.engine.warm import WarmPool
+from branchbox.engine.warm import WARM_CWD, WarmPool
 from branchbox.engine.workspaces import Workspaces
 from branchbox.runtime import procfs, rootfs, smaps
 from branchbox.runtime.cgroups import Limits, SandboxCgroup, favor_dynamic_moves
@@ -383,7 +383,8 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
                 if host is not None:  # before configure: cwd may be inside it
                     await self._attach_workspace(
                         sb.body, self._workspace_branch(host, sb.body.layers.ids))
-                await sb.body.channel.call("configure", {"env": env or {}, "cwd": cwd})
+                if env or cwd != WARM_CWD:  # else the REPL is as it should be already
+                    await sb.body.channel.call("configure", {"env": env or {}, "cwd": cwd})
             except (AgentError, ChannelClosed, OSError) as exc:
                 await self._destroy_body(sb.body)
                 await sb.family.family.kill()

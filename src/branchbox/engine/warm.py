@@ -39,6 +39,9 @@ BURST_WINDOW = 2.0
 """Creates of one image this close together (seconds) are one burst."""
 BURST_MEMORY = 120.0
 """Seconds the pool keeps a burst's size after the burst's last create."""
+WARM_CWD = "/root"
+"""Where a warm sandbox's REPL starts (with the default environment): a create that asks
+for nothing else takes it as it is."""
 
 
 @dataclass
@@ -148,7 +151,7 @@ class WarmPool:
         and the pool is full; a failed start fails the waiting creates with its error."""
         pool = self._warm.setdefault(image, [])
         waiters = self._warm_waiters.setdefault(image, deque())
-        meta = {"cwd": "/root", "memory_mb": None, "timeout": None, "workspace": None}
+        meta = {"cwd": WARM_CWD, "memory_mb": None, "timeout": None, "workspace": None}
         starting: set[asyncio.Task] = set()
         try:
             while not self._stopping:
