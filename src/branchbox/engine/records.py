@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 _SCHEMA = """
@@ -68,11 +68,9 @@ class Records:
 
     def put(self, *recs: SandboxRecord) -> None:
         """Write these records in one transaction (all of them, or none)."""
-        rows = []
-        for rec in recs:
-            row = asdict(rec)
-            row["meta"] = json.dumps(rec.meta)
-            rows.append(row)
+        # Not dataclasses.asdict: it deep-copies meta (a fork's layer stack and all) only
+        # for the copy to be dumped to JSON: a third of a warm create's bookkeeping.
+        rows = [{**vars(rec), "meta": json.dumps(rec.meta)} for rec in recs]
         self.db.execute("BEGIN")  # explicit: the connection is in autocommit mode
         try:
             self.db.executemany(
