@@ -28,9 +28,9 @@ def run(ctx: Context) -> list[Row]:
         time.sleep(REFILL_PAUSE)
 
     warm = Row("create, warm pool ready", timed(ctx.sandbox, reps, paused_close))
-    ctx.step("create + close, back to back (drains the warm pool)")
+    ctx.step("create + close, back to back")
     burst = Row("create, back to back", timed(ctx.sandbox, reps, Sandbox.close),
-                note="mostly full starts once the pool is drained")
+                note="each closed first; the pool refills meanwhile")
     return [warm, burst, Row(f"create, {BURST} at once", _at_once(ctx, ctx.pick(2, 5)),
                              note="each create's own latency, from a refilled pool")]
 
