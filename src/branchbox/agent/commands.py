@@ -28,7 +28,6 @@ import os
 import shlex
 import signal
 import struct
-import subprocess
 import termios
 import time
 from collections.abc import Callable
@@ -386,7 +385,10 @@ def _start(spawner: Callable[[], int] | None, argv: list[str], cwd: str | None, 
     try:
         if sock >= 0:
             proc: Process = spawn(sock, argv, cwd, env, stdin_r, executable=executable)
-        else:  # the agent run bare, outside a sandbox
+        else:  # the agent run bare, outside a sandbox (not imported in one: subprocess
+            # brings threading, whose after-fork hook every fork child would run)
+            import subprocess
+
             proc = subprocess.Popen(
                 argv,
                 executable=executable,

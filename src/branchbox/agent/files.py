@@ -15,7 +15,6 @@ import errno
 import os
 import shutil
 import stat
-import tempfile
 from collections.abc import Iterator
 from typing import BinaryIO
 
@@ -189,7 +188,7 @@ class _Upload:
         self.mode = mode
         parent = os.path.dirname(target)
         os.makedirs(parent, exist_ok=True)
-        fd, self.tmp = tempfile.mkstemp(prefix=UPLOAD_PREFIX, dir=parent)
+        fd, self.tmp = _new_file(parent)
         self.file: BinaryIO = open(fd, "wb")  # noqa: SIM115 - open across frames
         try:
             if append and os.path.exists(target):
@@ -288,3 +287,18 @@ class Uploads:
             upload.file.close()
         self.open.clear()
         self.failed.clear()
+
+
+def _new_file(parent: str) -> tuple[int, str]:
+    """A new, empty file of ours in ``parent`` (fd, path), as ``tempfile.mkstemp`` makes
+    one: not tempfile itself, which imports random, whose after-fork hook (a reseed)
+    every fork child of every REPL would then run (each REPL writes a file at start)."""
+    for _ in range(100):
+        path = os.path.join(parent, UPLOAD_PREFIX + os.urandom(6).hex())
+        try:
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            return os.open(path, flags, 0o600), path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no unused temporary name in {parent}")
+

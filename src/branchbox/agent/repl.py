@@ -26,6 +26,7 @@ channel for good. Between calls SIGINT does nothing (see main).
 from __future__ import annotations
 import __future__
 
+import _thread
 import ast
 import base64
 import builtins
@@ -37,7 +38,6 @@ import linecache
 import os
 import signal
 import sys
-import threading
 import time
 import traceback
 import types
@@ -76,7 +76,7 @@ class _Call:
         self.rid = rid
         self.limit = limit
         self.pid = os.getpid()
-        self.thread = threading.get_ident()
+        self.thread = _thread.get_ident()
 
     def owns(self) -> bool:
         """Whether this process and thread may send the call's events.
@@ -84,7 +84,7 @@ class _Call:
         A process forked by user code, or a thread it started, must never write
         to the control socket: its frames would interleave with ours.
         """
-        return os.getpid() == self.pid and threading.get_ident() == self.thread
+        return os.getpid() == self.pid and _thread.get_ident() == self.thread
 
 
 def _write_fd(fd: int, data: bytes) -> None:
