@@ -171,10 +171,12 @@ class SandboxCgroup:
         a command inherits from the REPL that starts it, so a command joins the freezer
         leaf alone: one move per command instead of four.
         """
-        targets = [d / leaf for d in self._split_dirs()]
+        split = self._split_dirs()
+        targets = [f"{d}/{leaf}/cgroup.procs" for d in split]
         if self.version == 1 and leaf == "repl":
-            targets += [d for d in self.dirs if d not in self._split_dirs()]
-        return [os.open(t / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC) for t in targets]
+            targets += [f"{d}/cgroup.procs" for d in self.dirs if all(d is not s for s in split)]
+        # Strings, not Path arithmetic: a fork makes these per child, on its path.
+        return [os.open(t, os.O_WRONLY | os.O_CLOEXEC) for t in targets]
 
     def pids(self) -> list[int]:
         """Every process in the sandbox: in each hierarchy's directory and its leaves (a
