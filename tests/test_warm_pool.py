@@ -3,6 +3,7 @@ ready for a while (so the next burst is all hand-outs), then it shrinks back."""
 
 from __future__ import annotations
 
+import ast
 from concurrent.futures import ThreadPoolExecutor
 
 from waiting import eventually
@@ -58,11 +59,11 @@ def test_a_hand_out_is_what_its_create_asked_for(harness) -> None:
         ready = {sb.id for sb in engine._warm["default"]}
         with harness.sandbox(**asked) as sb:
             assert sb.id in ready  # a hand-out
-            cwd, names = eval(sb.run_code(probe).text)  # noqa: S307 - the REPL's own repr
+            cwd, names = ast.literal_eval(sb.run_code(probe).text)
             assert cwd == asked.get("cwd", warm.WARM_CWD)
             assert ("BB_ASKED" in names) == ("env" in asked)
             with harness.sandbox(image="default", env={"BB_COLD": "x"}, cwd="/tmp") as other:
-                base = set(eval(other.run_code(probe).text)[1]) - {"BB_COLD"}  # noqa: S307
+                base = set(ast.literal_eval(other.run_code(probe).text)[1]) - {"BB_COLD"}
             assert set(names) - {"BB_ASKED"} == base  # the environment a create starts with
 
 
