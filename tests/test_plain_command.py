@@ -137,3 +137,18 @@ def test_pwd_is_kept_when_it_names_the_directory(bin_dir: Path, tmp_path: Path) 
     dotted = f"{tmp_path}/../{tmp_path.name}/bin"
     assert without_shell("elf", {**env, "PWD": dotted}, str(bin_dir))[2]["PWD"] == dotted
     assert os.path.samefile(dotted, bin_dir)
+
+
+def test_a_working_directory_that_is_gone_leaves_the_line_to_bash(bin_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    """No cwd given and this process's own removed: nothing to look up from."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    here = os.getcwd()
+    os.chdir(gone)
+    try:
+        gone.rmdir()
+        assert without_shell("elf", env_for(bin_dir), None) is None
+        assert without_shell("elf", env_for(bin_dir), "/") is not None
+    finally:
+        os.chdir(here)

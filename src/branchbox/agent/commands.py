@@ -351,7 +351,7 @@ def _spawn(req: dict, spawner: Callable[[], int] | None
         raise RequestError("InvalidRequest", "field 'env' must map strings to strings")
     env = {**os.environ, **env}
     size, stdin = _terminal_size(req), param(req, "stdin", bool, False)
-    plain = without_shell(cmd, env, cwd or os.getcwd()) if shell else None
+    plain = without_shell(cmd, env, cwd) if shell else None
     try:
         if plain is not None:  # what bash would have exec'd, without bash
             try:

@@ -51,12 +51,16 @@ _SHLVL_MAX = 998  # bash counts 999 + 1 as too deep, says so and resets it
 
 
 def without_shell(line: str, env: dict[str, str],
-                  cwd: str) -> tuple[str, list[str], dict[str, str]] | None:
+                  cwd: str | None) -> tuple[str, list[str], dict[str, str]] | None:
     """(file, argv, environment) to exec in place of ``bash -c line`` with ``env`` in
-    ``cwd``, or None if bash must run the line. Looks at the file system (PATH,
-    ``cwd``) as the command will see it."""
+    ``cwd`` (None: this process's), or None if bash must run the line. Looks at the
+    file system (PATH, ``cwd``) as the command will see it."""
     words = _WORDS.fullmatch(line)
     if words is None:
+        return None
+    try:
+        cwd = cwd or os.getcwd()
+    except OSError:  # this process's directory is gone: bash's start says what it says
         return None
     argv = words.group(1).split()
     name = argv[0]
