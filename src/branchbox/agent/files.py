@@ -301,4 +301,3 @@ def _new_file(parent: str) -> tuple[int, str]:
         except FileExistsError:
             continue
     raise FileExistsError(f"no unused temporary name in {parent}")
-

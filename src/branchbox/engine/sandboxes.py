@@ -356,7 +356,7 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
         host = self._workspace_host(workspace) if workspace is not None else None
         image_env, workdir = self.image_defaults(image)  # a built image's ENV and WORKDIR
         env = {**image_env, **(env or {})} or None
-        cwd = cwd or workdir or "/root"
+        cwd = cwd or workdir or WARM_CWD  # where warm REPLs wait already
         if not cwd.startswith("/") or ".." in cwd.split("/") or "\0" in cwd:
             raise errors.InvalidRequest(f"cwd must be an absolute path without '..': {cwd!r}")
         if memory_mb is not None and not 16 <= memory_mb <= 1 << 20:

@@ -40,8 +40,8 @@ BURST_WINDOW = 2.0
 BURST_MEMORY = 120.0
 """Seconds the pool keeps a burst's size after the burst's last create."""
 WARM_CWD = "/root"
-"""Where a warm sandbox's REPL starts (with the default environment): a create that asks
-for nothing else takes it as it is."""
+"""A create's directory when it asks for none, and where a warm sandbox's REPL starts
+(with the default environment): a create that asks for nothing else takes it as it is."""
 
 
 @dataclass
