@@ -9,7 +9,7 @@ APT_PACKAGES := debootstrap btrfs-progs gcc libc6-dev libnftables1
 # The /ui page's tests drive Debian's headless Chromium through its chromedriver; the
 # host-disk tests make a small ext4 filesystem (mkfs.ext4) to stand in for a full host disk;
 # the speculate tests' candidates run pytest and httpx of the host's own python (image "host").
-TEST_APT_PACKAGES := chromium chromium-driver e2fsprogs python3-pytest python3-httpx
+TEST_APT_PACKAGES := chromium chromium-driver e2fsprogs openssl python3-pytest python3-httpx
 
 .PHONY: run test soak system-deps test-deps image lint bench
 

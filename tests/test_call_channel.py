@@ -11,12 +11,17 @@ the connection or get an error line; none reaches the engine unchecked.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import socket
+import ssl
+import subprocess
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 from served import ServedDaemon
@@ -27,10 +32,12 @@ from branchbox import (
     AsyncSandbox,
     InvalidRequest,
     Sandbox,
+    SandboxError,
     SandboxNotFound,
     ServerStopping,
     StaleBranchError,
 )
+from branchbox.sdk._config import ssl_context
 from branchbox.server.call_channel import MAX_RUNS
 
 KEY = "channel-test-key"
@@ -300,3 +307,75 @@ def test_a_graceful_stop_ends_a_run_with_server_stopping() -> None:
         sb.detach()
     finally:
         served.stop()
+
+
+@contextmanager
+def _tls_front(daemon: ServedDaemon, cert: Path, key: Path) -> Iterator[str]:
+    """An https URL whose TLS ends in front of ``daemon`` (as a proxy's before a remote
+    daemon does): each connection piped to the daemon's plain port, a thread each way."""
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(cert, key)
+    listener = socket.create_server(("127.0.0.1", 0))
+    opened: list[socket.socket] = []
+
+    def pipe(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+            dst.shutdown(socket.SHUT_WR)
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):  # the listener shut: the test is over
+            while True:
+                conn, _ = listener.accept()
+                try:
+                    client = tls.wrap_socket(conn, server_side=True)
+                except ssl.SSLError:  # the client did not trust us
+                    conn.close()
+                    continue
+                upstream = socket.create_connection(("127.0.0.1", daemon.port))
+                opened.extend([client, upstream])
+                for src, dst in ((client, upstream), (upstream, client)):
+                    threading.Thread(target=pipe, args=(src, dst), daemon=True).start()
+
+    accepting = threading.Thread(target=serve, daemon=True)
+    accepting.start()
+    try:
+        yield f"https://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)
+        accepting.join(10)
+        listener.close()
+        for sock in opened:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
+def test_calls_and_runs_over_tls_trust_one_shared_context(daemon: ServedDaemon, tmp_path: Path,
+                                                           monkeypatch) -> None:
+    """Over https, HTTP calls and the runs' WebSocket verify the server with the one TLS
+    context the SDK makes per process (loading CAs cost every Sandbox() ~23 ms when each
+    made its own): it trusts ``SSL_CERT_FILE``, and a server it does not trust is
+    refused on both."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    ssl_context.cache_clear()  # made anew, with this test's CA file
+    try:
+        with _tls_front(daemon, cert, key) as url:
+            with pytest.raises(SandboxError):  # the default CAs do not know this server
+                Sandbox(url=url, api_key=KEY)
+            ssl_context.cache_clear()
+            monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+            with Sandbox(url=url, api_key=KEY) as sb, Sandbox(url=url, api_key=KEY) as other:
+                assert sb.run_code("x = 6 * 7; x").text == "42"  # over the WebSocket
+                (kid,) = sb.fork(1)  # over HTTP
+                with kid:
+                    assert kid.run_code("x").text == "42"
+                assert other.exec("echo hi").stdout == "hi\n"
+            made = ssl_context.cache_info()
+            assert (made.misses, made.currsize) == (1, 1) and made.hits >= 3, made
+    finally:
+        ssl_context.cache_clear()

@@ -24,7 +24,7 @@ from typing import Any
 from websockets.asyncio.client import ClientConnection, connect, unix_connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
-from branchbox.sdk._config import ClientConfig
+from branchbox.sdk._config import ClientConfig, ssl_context
 from branchbox.sdk._errors import SandboxError, error_from_reply
 
 MAX_MESSAGE = 16 << 20  # the server's limit of one WebSocket message (uvicorn's default)
@@ -114,7 +114,8 @@ class CallChannel:
                                             **options)
                 else:
                     url = "ws" + self._config.url.removeprefix("http") + "/v1/calls"
-                    ws = await connect(url, proxy=None, **options)
+                    tls = ssl_context(True) if url.startswith("wss:") else None
+                    ws = await connect(url, proxy=None, ssl=tls, **options)
             except InvalidStatus as exc:
                 if exc.response.status_code in (401, 403):  # a bad key: HTTP says so fully
                     raise Unavailable("refused") from exc

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from branchbox.sdk._channel import CallChannel, Unavailable
-from branchbox.sdk._config import resolve
+from branchbox.sdk._config import resolve, ssl_context
 from branchbox.sdk._daemon import ensure_daemon
 from branchbox.sdk._errors import SandboxError, error_from_line, error_from_reply
 
@@ -34,16 +34,17 @@ class Api:
         own_transport = transport is None
         if transport is None and (self.config.socket or
                                   self.config.base_url.startswith("http://")):
-            # No TLS over a unix socket or plain http: verify=False spares loading the CA
-            # bundle, which would otherwise cost every new Sandbox() tens of milliseconds.
-            transport = httpx.AsyncHTTPTransport(uds=self.config.socket or None, verify=False)
+            # No TLS over a unix socket or plain http: no CA bundle to load.
+            transport = httpx.AsyncHTTPTransport(uds=self.config.socket or None,
+                                                 verify=ssl_context(False))
         headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key \
             else {}
         # Runs go over a WebSocket of the server's, unless the caller brought a transport
         # (in-process ASGI, say: it carries HTTP only).
         self._channel = CallChannel(self.config) if own_transport else None
+        tls = {} if transport is not None else {"verify": ssl_context(True)}  # https
         self._client = httpx.AsyncClient(base_url=self.config.base_url, transport=transport,
-                                         headers=headers, timeout=_TIMEOUT)
+                                         headers=headers, timeout=_TIMEOUT, **tls)
         self._users = 1
 
     def is_local_socket(self) -> bool:
