@@ -655,3 +655,28 @@ def test_fork_child_serves_its_own_socket_and_leaves_the_parent_intact(
     rid = parent.send("wait", pid=bg, timeout=10)
     _release(fifo)
     assert parent.collect(rid)[1]["result"]["stdout"] == "xparent-bg\n"
+
+
+def test_signal_handlers_held_by_a_fork_come_back_if_its_end_never_comes() -> None:
+    """A fork holds the REPL's Python signal handlers from its first slot to "fork"; a
+    daemon that died in between never sends "fork", so the next other request gives them
+    back and runs what arrived meanwhile, once (here, in this very process)."""
+    from types import SimpleNamespace
+
+    from branchbox.agent import forking
+
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        forking.STATE.batch = SimpleNamespace(signals=forking._HeldSignals())
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        forking.end_stale_hold("fork_slot")  # the fork's own requests keep them held
+        assert seen == []
+        forking.end_stale_hold("run")
+        assert seen == [signal.SIGUSR1]
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1] * 2  # the handler is back
+    finally:
+        forking.STATE.batch = None
+        signal.signal(signal.SIGUSR1, previous)

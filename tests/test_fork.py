@@ -135,6 +135,63 @@ def test_fork_while_repl_threads_run_python(sandbox, harness, monkeypatch) -> No
         close_all(kids)
 
 
+def test_after_fork_hooks_run_in_each_child_s_own_sandbox(sandbox) -> None:
+    """An ``os.register_at_fork(after_in_child=...)`` hook (a library's, say) runs in each
+    fork child once it is in its own sandbox: what it writes lands there, not in the
+    parent or the layer the siblings share. A fork of user code's own runs it at once,
+    as the interpreter always does."""
+    sandbox.run_code("import os\nran = []\n"
+                     "def hook():\n"
+                     "    ran.append(os.getpid())\n"
+                     "    with open('/root/hooked', 'a') as f:\n"
+                     "        f.write('child\\n')\n"
+                     "os.register_at_fork(after_in_child=hook)")
+    kids = sandbox.fork(3)
+    try:
+        assert not sandbox.files.exists("/root/hooked")
+        for kid in kids:
+            assert kid.files.read("/root/hooked") == b"child\n"
+            assert kid.run_code("len(ran)").text == "1"
+        assert sandbox.run_code("ran").text == "[]"
+        own = sandbox.run_code("pid = os.fork()\n"
+                               "if pid == 0:\n"
+                               "    os._exit(0 if len(ran) == 1 else 3)\n"
+                               "os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])")
+        assert own.text == "0"
+    finally:
+        close_all(kids)
+
+
+def test_signal_handlers_wait_until_the_children_are_made(sandbox) -> None:
+    """A Python signal handler that fires during a fork (here a thread of the parent
+    signals it every 0.2 ms) runs after the fork, in the parent: never between two
+    children, which therefore all come from the same instant."""
+    sandbox.run_code("import signal, threading, time\n"
+                     "n = 0\n"
+                     "def count(signum, frame):\n"
+                     "    global n\n"
+                     "    n += 1\n"
+                     "signal.signal(signal.SIGUSR1, count)\n"
+                     "main = threading.get_ident()\n"
+                     "def poke():\n"
+                     "    while True:\n"
+                     "        signal.pthread_kill(main, signal.SIGUSR1)\n"
+                     "        time.sleep(0.0002)\n"
+                     "threading.Thread(target=poke, daemon=True).start()\n"
+                     "time.sleep(0.05)")
+    for _ in range(3):
+        kids = sandbox.fork(6)
+        try:
+            counts = {kid.run_code("n").text for kid in kids}
+            assert len(counts) == 1, counts
+            assert {kid.run_code("signal.getsignal(signal.SIGUSR1) is count").text
+                    for kid in kids} == {"True"}
+        finally:
+            close_all(kids)
+    before = int(sandbox.run_code("n").text)
+    assert int(sandbox.run_code("time.sleep(0.05); n").text) > before  # still handled
+
+
 def test_a_fork_reports_where_its_time_went(sandbox) -> None:
     """``info()["last_fork"]["phases"]``: the engine's steps in order, within its total
     (the bench's profile of a fork reads them)."""

@@ -32,13 +32,16 @@ socket.
 
 from __future__ import annotations
 
+import _signal
 import contextlib
 import ctypes
 import gc
 import os
 import signal
 import socket
+import sys
 import time
+from collections.abc import Callable
 
 from . import entry, huge_heap, private_memory, protocol, sysc
 
@@ -80,6 +83,7 @@ class _Batch:
         self.swap = swap
         self.cwd = cwd
         self.pids: list[int] = []
+        self.signals: _HeldSignals | None = None  # a fork's, from its first slot to "fork"
 
     @property
     def warning(self) -> str | None:
@@ -95,6 +99,10 @@ class _State:
         self.listener = -1  # a signal filter's listener, until the daemon has taken it
         self.batch: _Batch | None = None  # a fork in progress (first slot to "fork")
         self.warning: str | None = None
+        # User code's after-fork hooks that one of our forks held back (None: run them
+        # at once, as for a fork of user code's own).
+        self.held_hooks: list[Callable[[], object]] | None = None
+        self.child_signals: _HeldSignals | None = None  # a fork child's, until it is ready
 
 
 STATE = _State()
@@ -136,8 +144,11 @@ def handle_fork_slot(agent, req: dict, payload: bytes, fds: list[int]) -> None:
         return
     parent = os.getpid()
     try:
-        batch = STATE.batch or open_batch(agent, slot.fds(), req.get("inherit") or {})
-        STATE.batch = batch
+        batch = STATE.batch
+        if batch is None:
+            batch = open_batch(agent, slot.fds(), req.get("inherit") or {})
+            batch.signals = _HeldSignals()
+            STATE.batch = batch
         pid = _fork_flat()  # born in P: pid_for_children is P outside command_spawning
         if pid == 0:
             become_child(agent, slot, batch)
@@ -218,6 +229,7 @@ def handle_drop_listener(agent, req: dict, payload: bytes, fds: list[int]) -> No
     if STATE.listener >= 0:
         os.close(STATE.listener)
         STATE.listener = -1
+        _user_code_may_run()
     agent.done(req["rid"], {})
 
 
@@ -229,6 +241,17 @@ def handle_fork(agent, req: dict, payload: bytes, fds: list[int]) -> None:
         return
     agent.done(req["rid"], {"pids": batch.pids, "threads": batch.threads,
                             "paused": time.perf_counter() - batch.started})
+    if batch.signals is not None:
+        batch.signals.release(replay=True)
+
+
+def end_stale_hold(op: str) -> None:
+    """Before any request but a fork's own: a batch still open (its daemon died before
+    "fork") must not keep the user's signal handlers held for good."""
+    batch = STATE.batch
+    if batch is not None and batch.signals is not None and op not in ("fork_slot", "fork"):
+        batch.signals.release(replay=True)
+        batch.signals = None
 
 
 def plan_fds(entries: list, skip: set[int]) -> tuple[list[tuple[int, str, int, int]], list[int]]:
@@ -436,9 +459,12 @@ def become_child(agent, slot: _Slot, batch: _Batch) -> None:
         STATE.warning = _child_warning(batch.warning, relistened, closed, batch.shared, zeroed)
         ctrl = socket.socket(fileno=slot.ctrl)
         agent.reset_after_fork(ctrl)
+        STATE.child_signals = batch.signals
         hello = {"pid": os.getpid()}
-        if STATE.listener >= 0:
+        if STATE.listener >= 0:  # user code waits until the daemon has taken it
             hello["signal_listener"] = STATE.listener
+        else:
+            _user_code_may_run()
         protocol.send(ctrl, {"rid": 0, "ev": "done", "result": hello})
     except BaseException as exc:  # noqa: BLE001 - the daemon must learn why; then we vanish
         with contextlib.suppress(OSError):
@@ -474,13 +500,112 @@ def _fork_flat() -> int:
 def fork_with(clone) -> int:
     """Run ``clone()``, a raw fork of this process returning pid, 0 in the child, or
     -errno, between the interpreter's own before/after-fork hooks, just as os.fork()
-    runs them; the agent is single-threaded, so no libc lock can be held."""
+    runs them; the agent is single-threaded, so no libc lock can be held. The
+    after-fork hooks of user code (:func:`hold_fork_hooks`) wait in the child until it
+    is in its own sandbox (:func:`become_child`)."""
+    STATE.held_hooks = []
     _api.PyOS_BeforeFork()
     pid = clone()
     if pid == 0:
         _api.PyOS_AfterFork_Child()
     else:
+        STATE.held_hooks = None
         _api.PyOS_AfterFork_Parent()
     if pid < 0:
         raise OSError(-pid, f"clone: {os.strerror(-pid)}")
     return pid
+
+
+class _HeldSignals:
+    """The REPL's Python signal handlers, held back while a fork makes its children.
+
+    A Python handler runs in the main thread between any two bytecodes, and what can
+    signal the REPL during a fork is not frozen with its commands (a thread of user
+    code, a process the REPL started itself). One that ran between two slots would
+    run between two children, which would then come from different instants, and
+    could write files while the parent's layer is frozen. So while the batch is open
+    each handler is one that notes the signal; at the batch's end the parent gets its
+    handlers back and runs each noted signal's handler once, in order of arrival (a
+    signal pending twice is delivered once anyway); a child gets them back without
+    running any: the signals were the parent's.
+    """
+
+    def __init__(self) -> None:
+        self.handlers: dict[int, Callable] = {}
+        self.noted: dict[int, None] = {}  # signal numbers, in order of first arrival
+        # _signal's own calls: signal's wrappers make an enum of every number (~80 us a
+        # fork, while the REPL is held).
+        for signum in _signal.valid_signals():
+            handler = _signal.getsignal(signum)
+            if callable(handler):  # not SIG_DFL / SIG_IGN, nor one set outside Python
+                self.handlers[signum] = handler
+                _signal.signal(signum, self._note)
+
+    def _note(self, signum: int, frame: object) -> None:
+        self.noted.setdefault(signum)
+
+    def release(self, *, replay: bool) -> None:
+        for signum, handler in self.handlers.items():
+            _signal.signal(signum, handler)
+        noted, self.noted = self.noted, {}
+        for signum in noted if replay else ():
+            _call_user_code(self.handlers[signum], signum, None)
+
+
+def hold_fork_hooks() -> None:
+    """Make the ``after_in_child`` hooks that user code registers from now on (with
+    ``os.register_at_fork``) wait, in the children of our forks, until the child is in
+    its own sandbox; forks of user code's own still run them at once.
+
+    The interpreter runs them inside the fork, when a child of ours is still in its
+    parent's sandbox: a hook that wrote a file (a log handler reopening its file, say)
+    wrote it into the parent, or into the layer its siblings share. Called once at the
+    REPL's start, before any user code; what the agent imported before has no hooks.
+    """
+    real = os.register_at_fork
+    unset = object()
+
+    def register_at_fork(*, before=unset, after_in_child=unset, after_in_parent=unset):
+        given = {name: hook for name, hook in (("before", before),
+                                               ("after_in_child", after_in_child),
+                                               ("after_in_parent", after_in_parent))
+                 if hook is not unset}
+        if callable(after_in_child):
+            given["after_in_child"] = _held(after_in_child)
+        real(**given)  # its own errors for arguments it refuses
+
+    register_at_fork.__doc__ = real.__doc__
+    os.register_at_fork = register_at_fork
+    sys.modules["posix"].register_at_fork = register_at_fork
+
+
+def _held(hook: Callable[[], object]) -> Callable[[], None]:
+    def after_in_child() -> None:
+        if STATE.held_hooks is None:
+            hook()
+        else:
+            STATE.held_hooks.append(hook)
+    return after_in_child
+
+
+def _user_code_may_run() -> None:
+    """In a fork child now in its own sandbox (and rid of any signal listener): the
+    after-fork hooks held back, in the order registered, then the signal handlers."""
+    hooks, STATE.held_hooks = STATE.held_hooks or [], None
+    for hook in hooks:
+        _call_user_code(hook)
+    signals, STATE.child_signals = STATE.child_signals, None
+    if signals is not None:
+        signals.release(replay=False)
+
+
+def _call_user_code(fn: Callable, *args: object) -> None:
+    """``fn(*args)``; what it raises is printed and ignored, as the interpreter does for
+    the hooks and handlers it runs itself outside user code."""
+    try:
+        fn(*args)
+    except BaseException:  # noqa: BLE001 - SystemExit too: the agent goes on
+        import traceback
+
+        print(f"Exception ignored in {fn!r}:", file=sys.stderr)
+        traceback.print_exc()

@@ -27,9 +27,11 @@ from .files import (
     handle_stat,
 )
 from .forking import (
+    end_stale_hold,
     handle_drop_listener,
     handle_fork,
     handle_fork_slot,
+    hold_fork_hooks,
     spawner_fd,
 )
 from .handover import handle_attach, handle_configure, handle_sethostname
@@ -86,6 +88,8 @@ def run(ctrl_fd: int) -> None:
     register_ops(agent, spawner=spawner_fd)
     agent.register("fork_slot", handle_fork_slot)
     agent.register("fork", handle_fork)
+    agent.before_requests(end_stale_hold)
+    hold_fork_hooks()  # before any user code registers one
     agent.register("checkpoint", handle_checkpoint)
     agent.register("drop_listener", handle_drop_listener)
     agent.register("sethostname", handle_sethostname)
