@@ -182,6 +182,37 @@ def test_a_repl_that_does_not_answer_comes_back_stopped(env: dict[str, str],
     assert eventually(lambda: left_behind(first) == [], within=10), left_behind(first)
 
 
+def test_a_repl_of_another_protocol_version_comes_back_stopped(env: dict[str, str],
+                                                                held: list[Sandbox]) -> None:
+    """A daemon upgraded and restarted finds REPLs still running the agent of the one
+    before; one whose agent speaks another protocol version (here it says so because
+    its own code was changed) would misread the new daemon's requests: it is not
+    re-attached but comes back stopped, its files kept, and starts afresh."""
+    first = ServedDaemon("reattach", env)
+    daemons = [first]
+    try:
+        older = Sandbox(url=first.url, api_key=KEY)
+        older.files.write("/root/kept.txt", b"kept")
+        older.run_code("import bbagent.protocol\nbbagent.protocol.VERSION -= 1")
+        same = Sandbox(url=first.url, api_key=KEY)
+        same.run_code("z = 'same'")
+        older.detach()
+        same.detach()
+        kill9(first)
+        second = ServedDaemon("reattach", env, data_dir=first.data_dir)
+        daemons.append(second)
+        assert connect(same.id, second, held).run_code("z").text == "'same'"
+        older = connect(older.id, second, held)
+        assert older.info()["state"] == "stopped"
+        assert "speaks protocol" in second.log.read_text()
+        older.start()
+        assert older.files.read("/root/kept.txt") == b"kept"
+        assert older.run_code("1 + 1").text == "2"
+    finally:
+        daemons[-1].stop()
+    assert eventually(lambda: left_behind(first) == [], within=10), left_behind(first)
+
+
 def test_a_workspace_branch_outlives_a_killed_daemon(env: dict[str, str], held: list[Sandbox],
                                                      workspace: Path) -> None:
     """Same host directory, same commit base; first commit wins across the restart."""

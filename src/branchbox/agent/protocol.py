@@ -22,6 +22,12 @@ import socket
 import struct
 
 _HEAD = struct.Struct("!II")
+VERSION = 1
+"""What the daemon and the agent say to each other, as one number: raise it with any
+change a daemon or an agent of the other version would misread (an op, a field, a
+fork slot's fds). A family's REPLs all run the agent its first REPL started with, and
+outlive the daemon: a daemon upgraded and restarted re-attaches only to those whose
+``ping`` answers its own version (engine.reattach); the others come back stopped."""
 CHUNK = 1024 * 1024  # file data travels in frames of at most this many bytes
 # A frame is read whole before it can be checked, so these bound what one frame can make
 # its reader hold. The header limit is set by the largest legitimate one: a background

@@ -317,5 +317,6 @@ class Agent:
 
 
 def handle_ping(agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None:
-    """``ping`` → ``{"pid"}``: liveness, and which process answers (it changes on fork)."""
-    agent.done(req["rid"], {"pid": os.getpid()})
+    """``ping`` → ``{"pid", "protocol"}``: liveness, which process answers (it changes on
+    fork), and the protocol version of its agent."""
+    agent.done(req["rid"], {"pid": os.getpid(), "protocol": protocol.VERSION})

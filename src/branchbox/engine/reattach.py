@@ -15,9 +15,11 @@ At start-up the new daemon takes the sockets back and re-attaches a record's
 sandbox if its launcher is the very process recorded (pidfd, start time), its
 cgroup is there, its socket is kept, and its REPL answers a ``ping`` within
 :data:`PING_WAIT` on that socket (frames of the earlier daemon's requests are
-dropped: runtime.channel's ``resumed``). A stream cut mid-frame by the kill does
-not parse, and a REPL that does not answer in time does not count: such a
-sandbox's processes are killed and it comes back ``stopped`` (engine.stopped).
+dropped: runtime.channel's ``resumed``) with this daemon's protocol version (an
+agent left by a daemon of another version would misread its requests). A stream
+cut mid-frame by the kill does not parse, and a REPL that does not answer in time,
+or not in this version, does not count: such a sandbox's processes are killed and
+it comes back ``stopped`` (engine.stopped), its files kept.
 A workspace branch comes back with its host directory, commit base and version
 (the versions committed so far are in SQLite, so first commit wins still holds
 across a restart). Everything of the earlier daemon nobody re-attached to goes:
@@ -44,6 +46,7 @@ import socket
 import time
 from dataclasses import dataclass
 
+from branchbox.agent import protocol
 from branchbox.agent.protocol import ChannelClosed
 from branchbox.engine import errors
 from branchbox.engine.checkpoints import CHECKPOINT, Checkpoint
@@ -152,10 +155,15 @@ class Reattach:
             else:
                 if rec.state == PAUSED:  # left frozen by the thaw guard
                     await asyncio.to_thread(cgroup.freeze, None, False)  # for the ping
-                await asyncio.wait_for(channel.call("ping"), PING_WAIT)
+                pong = await asyncio.wait_for(channel.call("ping"), PING_WAIT)
+                version = pong.get("protocol") if isinstance(pong, dict) else None
+                if version != protocol.VERSION:  # an agent of an older or newer daemon
+                    shown = version if isinstance(version, int) else "unknown"  # hostile?
+                    raise ChannelClosed(f"its agent speaks protocol {shown}, this daemon "
+                                        f"{protocol.VERSION}")
             return Survivor(rec, channel, cgroup, family)
         except (TimeoutError, AgentError, ChannelClosed, OSError, FreezeFailed) as exc:
-            log.warning("sandbox %s did not answer after the restart (%s): stopped", rec.id,
+            log.warning("sandbox %s is not re-attached after the restart (%s): stopped", rec.id,
                         exc or "timeout")
             await channel.close()
             return None
