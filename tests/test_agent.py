@@ -165,8 +165,8 @@ def _release(fifo: Path) -> None:
 # ---------------------------------------------------------------------------------- request loop
 
 
-def test_ping_answers_with_the_agent_pid(agent: AgentProcess) -> None:
-    assert agent.call("ping") == {"pid": agent.proc.pid}
+def test_ping_answers_with_the_agent_pid_and_protocol_version(agent: AgentProcess) -> None:
+    assert agent.call("ping") == {"pid": agent.proc.pid, "protocol": protocol.VERSION}
 
 
 def test_unknown_op_is_an_invalid_request(agent: AgentProcess) -> None:
@@ -642,7 +642,7 @@ def test_fork_child_serves_its_own_socket_and_leaves_the_parent_intact(
     child = Channel(ours)
     try:
         assert child.collect(0)[1]["result"] == {"pid": child_pid}
-        assert child.call("ping") == {"pid": child_pid}
+        assert child.call("ping")["pid"] == child_pid
         assert child.run("x")[2]["text"] == "1"  # the REPL's memory came along
         assert child.call("ps") == {"commands": []}  # the parent's commands did not
         assert child.error("wait", pid=bg)["type"] == "NotFound"
@@ -656,27 +656,3 @@ def test_fork_child_serves_its_own_socket_and_leaves_the_parent_intact(
     _release(fifo)
     assert parent.collect(rid)[1]["result"]["stdout"] == "xparent-bg\n"
 
-
-def test_signal_handlers_held_by_a_fork_come_back_if_its_end_never_comes() -> None:
-    """A fork holds the REPL's Python signal handlers from its first slot to "fork"; a
-    daemon that died in between never sends "fork", so the next other request gives them
-    back and runs what arrived meanwhile, once (here, in this very process)."""
-    from types import SimpleNamespace
-
-    from branchbox.agent import forking
-
-    seen: list[int] = []
-    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
-    try:
-        forking.STATE.batch = SimpleNamespace(signals=forking._HeldSignals())
-        os.kill(os.getpid(), signal.SIGUSR1)
-        os.kill(os.getpid(), signal.SIGUSR1)
-        forking.end_stale_hold("fork_slot")  # the fork's own requests keep them held
-        assert seen == []
-        forking.end_stale_hold("run")
-        assert seen == [signal.SIGUSR1]
-        os.kill(os.getpid(), signal.SIGUSR1)
-        assert seen == [signal.SIGUSR1] * 2  # the handler is back
-    finally:
-        forking.STATE.batch = None
-        signal.signal(signal.SIGUSR1, previous)

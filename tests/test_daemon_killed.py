@@ -160,6 +160,38 @@ def test_a_daemon_killed_once_a_fork_is_recorded_leaves_it_done() -> None:
         stop_last(daemon, restarted, env)
 
 
+def test_a_daemon_killed_between_a_fork_s_slots_and_its_end_leaves_the_repl_whole() -> None:
+    """Killed after the REPL forked its children, before "fork" ended the batch: the REPL
+    still holds its signal handlers (as it does during every fork). The restarted daemon
+    ends that batch, so the handlers work again and the next fork is a fork of its own."""
+    daemon, env = killed_by("slots")
+    restarted = None
+    try:
+        sb = Sandbox(url=daemon.url, api_key="kill9-test-key")
+        sb.run_code("import os, signal, time\nn = 0\n"
+                    "def count(signum, frame):\n"
+                    "    global n\n"
+                    "    n += 1\n"
+                    "signal.signal(signal.SIGUSR1, count)")
+        with pytest.raises(SandboxError):
+            sb.fork(2)
+        assert daemon.proc.wait(30) == -9, daemon.log.read_text()
+        sb.detach()
+        restarted = ServedDaemon("kill9", env, data_dir=daemon.data_dir)
+        assert ids_of(restarted) == {sb.id}  # the half-made children are gone
+        sb = Sandbox.connect(sb.id, url=restarted.url, api_key="kill9-test-key")
+        assert sb.run_code("os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.01); n"
+                           ).text == "1"
+        kids = sb.fork(2)
+        assert [k.run_code("n, signal.getsignal(signal.SIGUSR1) is count").text
+                for k in kids] == ["(1, True)"] * 2
+        for kid in kids:
+            kid.close()
+        sb.close()
+    finally:
+        stop_last(daemon, restarted, env)
+
+
 def test_a_daemon_killed_inside_a_merge_leaves_it_done() -> None:
     """Killed after the parent's record names the winner's body, before the winner's id
     is closed: the restarted daemon finishes the merge (the body is the parent's)."""

@@ -52,6 +52,7 @@ def _ints(ctype, values: list[int]):
 def handle_checkpoint(agent, req: dict, payload: bytes, fds: list[int]) -> None:
     """fds = [the checkpoint's socket, *its cgroup.procs fds]. Answers the checkpoint's
     pid; the checkpoint itself tells the daemon on its socket once it is in place."""
+    batch = None
     try:
         if not fds or len(fds) != 1 + int(req.get("njoin", -1)):
             raise RequestError("InvalidRequest", "checkpoint got the wrong number of fds")
@@ -73,6 +74,8 @@ def handle_checkpoint(agent, req: dict, payload: bytes, fds: list[int]) -> None:
     except BaseException:
         for fd in fds:
             os.close(fd)
+        if batch is not None:
+            forking.end_batch(agent, batch)
         raise
     if pid == 0:  # woken, long after: a restore or a fork of the checkpoint
         _wake(agent, batch, message.raw[:got[0]], list(received[:got[1]]))
@@ -80,6 +83,7 @@ def handle_checkpoint(agent, req: dict, payload: bytes, fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
     agent.done(req["rid"], {"pid": pid})
+    forking.end_batch(agent, batch)
 
 
 def _wake(agent, batch, message: bytes, fds: list[int]) -> None:

@@ -33,8 +33,10 @@ socket.
 from __future__ import annotations
 
 import _signal
+import _thread
 import contextlib
 import ctypes
+import functools
 import gc
 import os
 import signal
@@ -83,7 +85,8 @@ class _Batch:
         self.swap = swap
         self.cwd = cwd
         self.pids: list[int] = []
-        self.signals: _HeldSignals | None = None  # a fork's, from its first slot to "fork"
+        # The REPL's signal handlers, held from open_batch until the batch ends.
+        self.signals: _HeldSignals | None = None
 
     @property
     def warning(self) -> str | None:
@@ -100,8 +103,9 @@ class _State:
         self.batch: _Batch | None = None  # a fork in progress (first slot to "fork")
         self.warning: str | None = None
         # User code's after-fork hooks that one of our forks held back (None: run them
-        # at once, as for a fork of user code's own).
+        # at once, as for a fork of user code's own), and the thread that forks.
         self.held_hooks: list[Callable[[], object]] | None = None
+        self.forking_thread = -1
         self.child_signals: _HeldSignals | None = None  # a fork child's, until it is ready
 
 
@@ -147,7 +151,6 @@ def handle_fork_slot(agent, req: dict, payload: bytes, fds: list[int]) -> None:
         batch = STATE.batch
         if batch is None:
             batch = open_batch(agent, slot.fds(), req.get("inherit") or {})
-            batch.signals = _HeldSignals()
             STATE.batch = batch
         pid = _fork_flat()  # born in P: pid_for_children is P outside command_spawning
         if pid == 0:
@@ -214,8 +217,18 @@ def open_batch(agent, received: list[int], inherit: dict) -> _Batch:
     # them again, in the children or here, so it never writes to (and so copies) the
     # pages they share. A full collection would otherwise copy the whole heap per child.
     gc.freeze()
-    return _Batch(started, reopen, close, describe_listeners(close), threads, os.getcwd(),
-                  shared, bool(inherit.get("swap")))
+    batch = _Batch(started, reopen, close, describe_listeners(close), threads, os.getcwd(),
+                   shared, bool(inherit.get("swap")))
+    batch.signals = _HeldSignals()  # the caller ends the batch: end_batch()
+    return batch
+
+
+def end_batch(agent, batch: _Batch) -> None:
+    """In the parent, once its children are made: its signal handlers back, and those of
+    the signals that came meanwhile run from the request loop, as they would have."""
+    if batch.signals is not None:
+        batch.signals.release(agent)
+        batch.signals = None
 
 
 def inherited() -> list[int]:
@@ -229,7 +242,7 @@ def handle_drop_listener(agent, req: dict, payload: bytes, fds: list[int]) -> No
     if STATE.listener >= 0:
         os.close(STATE.listener)
         STATE.listener = -1
-        _user_code_may_run()
+        _user_code_may_run(agent)
     agent.done(req["rid"], {})
 
 
@@ -241,17 +254,7 @@ def handle_fork(agent, req: dict, payload: bytes, fds: list[int]) -> None:
         return
     agent.done(req["rid"], {"pids": batch.pids, "threads": batch.threads,
                             "paused": time.perf_counter() - batch.started})
-    if batch.signals is not None:
-        batch.signals.release(replay=True)
-
-
-def end_stale_hold(op: str) -> None:
-    """Before any request but a fork's own: a batch still open (its daemon died before
-    "fork") must not keep the user's signal handlers held for good."""
-    batch = STATE.batch
-    if batch is not None and batch.signals is not None and op not in ("fork_slot", "fork"):
-        batch.signals.release(replay=True)
-        batch.signals = None
+    end_batch(agent, batch)
 
 
 def plan_fds(entries: list, skip: set[int]) -> tuple[list[tuple[int, str, int, int]], list[int]]:
@@ -435,6 +438,9 @@ def become_child(agent, slot: _Slot, batch: _Batch) -> None:
     """Turn this process, just forked (from the REPL, or from a checkpoint woken for
     a restore), into the REPL of the sandbox ``slot`` describes, then say hello."""
     try:
+        if batch.signals is not None:  # what was noted so far came to the parent
+            batch.signals.noted.clear()
+        STATE.child_signals, batch.signals = batch.signals, None
         for fd in inherited():
             os.close(fd)
         # Its own session and process group: kill(0) or a ^C to the group reaches this
@@ -459,12 +465,11 @@ def become_child(agent, slot: _Slot, batch: _Batch) -> None:
         STATE.warning = _child_warning(batch.warning, relistened, closed, batch.shared, zeroed)
         ctrl = socket.socket(fileno=slot.ctrl)
         agent.reset_after_fork(ctrl)
-        STATE.child_signals = batch.signals
         hello = {"pid": os.getpid()}
         if STATE.listener >= 0:  # user code waits until the daemon has taken it
             hello["signal_listener"] = STATE.listener
         else:
-            _user_code_may_run()
+            _user_code_may_run(agent)
         protocol.send(ctrl, {"rid": 0, "ev": "done", "result": hello})
     except BaseException as exc:  # noqa: BLE001 - the daemon must learn why; then we vanish
         with contextlib.suppress(OSError):
@@ -503,14 +508,18 @@ def fork_with(clone) -> int:
     runs them; the agent is single-threaded, so no libc lock can be held. The
     after-fork hooks of user code (:func:`hold_fork_hooks`) wait in the child until it
     is in its own sandbox (:func:`become_child`)."""
-    STATE.held_hooks = []
-    _api.PyOS_BeforeFork()
-    pid = clone()
-    if pid == 0:
-        _api.PyOS_AfterFork_Child()
-    else:
-        STATE.held_hooks = None
-        _api.PyOS_AfterFork_Parent()
+    STATE.held_hooks, STATE.forking_thread = [], _thread.get_ident()
+    pid = -1
+    try:
+        _api.PyOS_BeforeFork()
+        pid = clone()
+        if pid == 0:
+            _api.PyOS_AfterFork_Child()
+        else:
+            _api.PyOS_AfterFork_Parent()
+    finally:
+        if pid != 0:
+            STATE.held_hooks = None
     if pid < 0:
         raise OSError(-pid, f"clone: {os.strerror(-pid)}")
     return pid
@@ -525,9 +534,10 @@ class _HeldSignals:
     run between two children, which would then come from different instants, and
     could write files while the parent's layer is frozen. So while the batch is open
     each handler is one that notes the signal; at the batch's end the parent gets its
-    handlers back and runs each noted signal's handler once, in order of arrival (a
-    signal pending twice is delivered once anyway); a child gets them back without
-    running any: the signals were the parent's.
+    handlers back and each noted signal's handler runs once, in order of arrival (a
+    signal pending twice is delivered once anyway), from the request loop as one
+    arriving between requests would; a child does the same with only what came to it
+    after the fork, once it is ready for user code.
     """
 
     def __init__(self) -> None:
@@ -544,12 +554,12 @@ class _HeldSignals:
     def _note(self, signum: int, frame: object) -> None:
         self.noted.setdefault(signum)
 
-    def release(self, *, replay: bool) -> None:
+    def release(self, agent) -> None:
         for signum, handler in self.handlers.items():
             _signal.signal(signum, handler)
-        noted, self.noted = self.noted, {}
-        for signum in noted if replay else ():
-            _call_user_code(self.handlers[signum], signum, None)
+        for signum in self.noted:
+            agent.call_later(0, functools.partial(self.handlers[signum], signum, None))
+        self.noted = {}
 
 
 def hold_fork_hooks() -> None:
@@ -581,31 +591,28 @@ def hold_fork_hooks() -> None:
 
 def _held(hook: Callable[[], object]) -> Callable[[], None]:
     def after_in_child() -> None:
-        if STATE.held_hooks is None:
+        # Only in a child of our fork (its thread is the one that forked): a thread of
+        # user code may fork meanwhile, and its child runs its hooks at once.
+        if STATE.held_hooks is None or _thread.get_ident() != STATE.forking_thread:
             hook()
         else:
             STATE.held_hooks.append(hook)
     return after_in_child
 
 
-def _user_code_may_run() -> None:
-    """In a fork child now in its own sandbox (and rid of any signal listener): the
-    after-fork hooks held back, in the order registered, then the signal handlers."""
-    hooks, STATE.held_hooks = STATE.held_hooks or [], None
-    for hook in hooks:
-        _call_user_code(hook)
+def _user_code_may_run(agent) -> None:
+    """In a fork child now in its own sandbox (and rid of any signal listener): its
+    signal handlers back, then the after-fork hooks held back, in the order registered;
+    what one raises is printed and ignored, as the interpreter does with its own."""
     signals, STATE.child_signals = STATE.child_signals, None
     if signals is not None:
-        signals.release(replay=False)
+        signals.release(agent)
+    hooks, STATE.held_hooks = STATE.held_hooks or [], None
+    for hook in hooks:
+        try:
+            hook()
+        except BaseException:  # noqa: BLE001 - SystemExit too: the child goes on
+            import traceback
 
-
-def _call_user_code(fn: Callable, *args: object) -> None:
-    """``fn(*args)``; what it raises is printed and ignored, as the interpreter does for
-    the hooks and handlers it runs itself outside user code."""
-    try:
-        fn(*args)
-    except BaseException:  # noqa: BLE001 - SystemExit too: the agent goes on
-        import traceback
-
-        print(f"Exception ignored in {fn!r}:", file=sys.stderr)
-        traceback.print_exc()
+            print(f"Exception ignored in fork hook {hook!r}:", file=sys.stderr)
+            traceback.print_exc()

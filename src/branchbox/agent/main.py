@@ -27,7 +27,6 @@ from .files import (
     handle_stat,
 )
 from .forking import (
-    end_stale_hold,
     handle_drop_listener,
     handle_fork,
     handle_fork_slot,
@@ -88,7 +87,6 @@ def run(ctrl_fd: int) -> None:
     register_ops(agent, spawner=spawner_fd)
     agent.register("fork_slot", handle_fork_slot)
     agent.register("fork", handle_fork)
-    agent.before_requests(end_stale_hold)
     hold_fork_hooks()  # before any user code registers one
     agent.register("checkpoint", handle_checkpoint)
     agent.register("drop_listener", handle_drop_listener)

@@ -155,7 +155,6 @@ class Agent:
         self._handlers: dict[str, Handler] = {}
         self._timers: list[Timer] = []
         self._fork_hooks: list[Callable[[], None]] = []
-        self._request_hooks: list[Callable[[str], None]] = []
         self._sending = 0
         self._selector = self._new_selector()
 
@@ -179,10 +178,6 @@ class Agent:
         carrying the traceback). It owns the file descriptors in ``fds``.
         """
         self._handlers[op] = handler
-
-    def before_requests(self, hook: Callable[[str], None]) -> None:
-        """Call ``hook(op)`` before each valid request is handled."""
-        self._request_hooks.append(hook)
 
     def watch(self, fileobj: Any, callback: Callable[[], None]) -> None:
         """Call ``callback()`` from the loop whenever ``fileobj`` is readable."""
@@ -283,8 +278,6 @@ class Agent:
             self.fail(rid, "InvalidRequest", problem)
             return
         try:
-            for hook in self._request_hooks:
-                hook(op)
             handler(self, header, payload, fds)
         except RequestError as exc:
             self.fail(rid, exc.type, exc.message)

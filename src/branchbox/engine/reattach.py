@@ -19,7 +19,8 @@ dropped: runtime.channel's ``resumed``) with this daemon's protocol version (an
 agent left by a daemon of another version would misread its requests). A stream
 cut mid-frame by the kill does not parse, and a REPL that does not answer in time,
 or not in this version, does not count: such a sandbox's processes are killed and
-it comes back ``stopped`` (engine.stopped), its files kept.
+it comes back ``stopped`` (engine.stopped), its files kept. A fork the earlier
+daemon was killed in, between its slots and its end, is ended in the REPL.
 A workspace branch comes back with its host directory, commit base and version
 (the versions committed so far are in SQLite, so first commit wins still holds
 across a restart). Everything of the earlier daemon nobody re-attached to goes:
@@ -161,6 +162,11 @@ class Reattach:
                     shown = version if isinstance(version, int) else "unknown"  # hostile?
                     raise ChannelClosed(f"its agent speaks protocol {shown}, this daemon "
                                         f"{protocol.VERSION}")
+                # A fork the earlier daemon was killed in never ended in the REPL: end
+                # it (the REPL holds its signal handlers until then). Mostly none is
+                # open, and the REPL says so.
+                with contextlib.suppress(AgentError):
+                    await asyncio.wait_for(channel.call("fork"), PING_WAIT)
             return Survivor(rec, channel, cgroup, family)
         except (TimeoutError, AgentError, ChannelClosed, OSError, FreezeFailed) as exc:
             log.warning("sandbox %s is not re-attached after the restart (%s): stopped", rec.id,
