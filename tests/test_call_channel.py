@@ -371,9 +371,11 @@ def test_calls_and_runs_over_tls_trust_one_shared_context(daemon: ServedDaemon, 
             monkeypatch.setenv("SSL_CERT_FILE", str(cert))
             with Sandbox(url=url, api_key=KEY) as sb, Sandbox(url=url, api_key=KEY) as other:
                 assert sb.run_code("x = 6 * 7; x").text == "42"  # over the WebSocket
-                (kid,) = sb.fork(1)  # over HTTP
+                sb.files.write("/root/t.txt", b"tls")  # over HTTP
+                (kid,) = sb.fork(1)
                 with kid:
                     assert kid.run_code("x").text == "42"
+                    assert kid.files.read("/root/t.txt") == b"tls"
                 assert other.exec("echo hi").stdout == "hi\n"
             made = ssl_context.cache_info()
             assert (made.misses, made.currsize) == (1, 1) and made.hits >= 3, made
