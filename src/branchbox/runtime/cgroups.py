@@ -174,7 +174,7 @@ class SandboxCgroup:
         split = self._split_dirs()
         targets = [f"{d}/{leaf}/cgroup.procs" for d in split]
         if self.version == 1 and leaf == "repl":
-            targets += [f"{d}/cgroup.procs" for d in self.dirs if all(d is not s for s in split)]
+            targets += [f"{d}/cgroup.procs" for d in self.dirs if d not in split]
         # Strings, not Path arithmetic: a fork makes these per child, on its path.
         return [os.open(t, os.O_WRONLY | os.O_CLOEXEC) for t in targets]
 
