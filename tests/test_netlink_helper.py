@@ -238,3 +238,29 @@ def test_plug_each_plugs_every_namespace_given() -> None:
                 assert child_ns not in _netns_fds(net.maker.proc.pid)
     with _holder(False) as one, _holder(False) as two:
         asyncio.run(scenario([one.pid, two.pid]))
+
+
+def test_a_helper_given_its_socket_at_the_reserved_slot_still_answers() -> None:
+    """The helper's socket keeps the daemon's fd number (pass_fds), and a daemon holding
+    ~200 fds hands it fd 200, the slot the helper reserves for a request's namespace:
+    the helper overwrote its own socket there and exited at its first request, silently
+    ("the netlink helper died" at an engine's start)."""
+    fillers: list[int] = []
+    try:
+        while (fd := os.open(os.devnull, os.O_RDONLY)) < netlink_msgs.NETNS_SLOT - 1:
+            fillers.append(fd)
+        os.close(fd)  # the socket pair takes the slot's number and the one below it
+        helper = Helper()
+    finally:
+        for fd in fillers:
+            os.close(fd)
+
+    async def links() -> dict:
+        return await helper.call("links")
+
+    try:
+        given = Path(f"/proc/{helper.proc.pid}/cmdline").read_bytes().split(b"\0")[-2]
+        assert int(given) == netlink_msgs.NETNS_SLOT, "the socket missed the slot"
+        assert "lo" in asyncio.run(links())["names"]
+    finally:
+        helper.close()

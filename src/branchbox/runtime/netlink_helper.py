@@ -215,7 +215,10 @@ class Helper:
 
 def main() -> None:
     """Serve requests on fd ``argv[1]`` until it closes."""
-    sock = socket.socket(fileno=int(sys.argv[1]))
+    fd = int(sys.argv[1])
+    if fd == msgs.NETNS_SLOT:  # the daemon's number for it, kept by pass_fds: the
+        fd = os.dup(fd)  # slot is reserved below (a socket there would be overwritten)
+    sock = socket.socket(fileno=fd)
     helper = Helper()
     idle_since = 0  # perf_counter_ns (CLOCK_MONOTONIC, the daemon's clock too)
     while True:
