@@ -12,6 +12,8 @@ namespaces and nftables tables.
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import shutil
 import tempfile
@@ -48,9 +50,15 @@ class Harness:
         require_root()
         self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix=f"branchbox-test-{backend}-"))
         self.engine = Engine(EngineConfig(data_dir=self.data_dir, storage=backend))
-        portal.run(self.engine.start())
-        if self.engine.store.backend.name != backend:
-            pytest.fail(f"asked for the {backend} backend, got {self.engine.store.backend.name}")
+        try:
+            portal.run(self.engine.start())
+            if self.engine.store.backend.name != backend:
+                pytest.fail(f"asked for the {backend} backend, got "
+                            f"{self.engine.store.backend.name}")
+        except BaseException:  # what the start made goes (its fd keeper, helpers, files)
+            with contextlib.suppress(Exception):
+                self.stop(keep_data=data_dir is not None)
+            raise
         self.app = create_app(self.engine)
         self.backend = backend
 
