@@ -28,6 +28,8 @@ LISTING_TIMEOUT = 30.0
 EVENTS_KEPT = 4096  # per subscriber: a client that reads slower loses events (and is told)
 # A node sends a keep-alive every 15 s: a stream silent for longer is a node gone.
 EVENTS_TIMEOUT = httpx.Timeout(connect=5.0, read=45.0, write=10.0, pool=10.0)
+SUBSCRIBE_WITHIN = 5.0  # a node slower to answer is streamed from when it does
+STARTS_WITHIN = 30.0  # a response not started by then lost its client: the pumps end
 
 
 async def _ask_all(request: Request, nodes: Nodes, client: httpx.AsyncClient,
@@ -159,41 +161,71 @@ async def events(request: Request, nodes: Nodes, client: httpx.AsyncClient,
             lost = 0
         queue.put_nowait(f"data: {json.dumps(event)}\n\n")
 
-    async def pump(node: Node) -> None:
-        """One node's events while its stream lasts; its end is announced once."""
+    async def pump(node: Node, subscribed: asyncio.Event) -> None:
+        """One node's events while its stream lasts; its end is announced once.
+        ``subscribed`` is set once the node answered (or could not)."""
         streamed = False
-        with contextlib.suppress(httpx.HTTPError):
-            async with client.stream("GET", f"{node.url}/v1/events", headers=headers,
-                                     timeout=EVENTS_TIMEOUT) as reply:
-                if reply.status_code != 200:
-                    return
-                streamed = True
-                async for line in reply.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue  # ids, retry hints, keep-alives: the gateway sends its own
-                    with contextlib.suppress(ValueError, TypeError, AttributeError):
-                        event = json.loads(line[6:])
-                        event.pop("id", None)
-                        put({**event, "node": node.label})
+        try:
+            with contextlib.suppress(httpx.HTTPError):
+                async with client.stream("GET", f"{node.url}/v1/events", headers=headers,
+                                         timeout=EVENTS_TIMEOUT) as reply:
+                    if reply.status_code != 200:
+                        return
+                    streamed = True
+                    subscribed.set()
+                    async for line in reply.aiter_lines():
+                        if not line.startswith("data: "):
+                            continue  # ids, retry hints, keep-alives: the gateway's own
+                        with contextlib.suppress(ValueError, TypeError, AttributeError):
+                            event = json.loads(line[6:])
+                            event.pop("id", None)
+                            put({**event, "node": node.label})
+        finally:
+            subscribed.set()
         if streamed:
             put({"type": "node_unavailable", "node": node.label})
 
-    async def watch() -> None:
-        """Keep a pump on every node that is up."""
+    async def watch(ready: asyncio.Event, started: asyncio.Event) -> None:
+        """Keep a pump on every node that is up; ``ready`` once the first round of them
+        subscribed. Ends if the response never starts (its client left first): nothing
+        else would end the pumps."""
         pumps: dict[Node, asyncio.Task] = {}
         try:
             while True:
+                subscribing = []
                 for node in nodes.up():
                     if node not in pumps or pumps[node].done():
-                        pumps[node] = asyncio.create_task(pump(node))
+                        subscribing.append(asyncio.Event())
+                        pumps[node] = asyncio.create_task(pump(node, subscribing[-1]))
+                if not ready.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(asyncio.gather(
+                            *(event.wait() for event in subscribing)), SUBSCRIBE_WITHIN)
+                    ready.set()
+                if not started.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(started.wait(), STARTS_WITHIN)
+                    if not started.is_set():
+                        return
                 await asyncio.sleep(REFRESH_SECONDS)
         finally:
+            ready.set()  # the handler waits for it, whatever happened here
             for task in pumps.values():
                 task.cancel()
             await asyncio.gather(*pumps.values(), return_exceptions=True)
 
+    # Every node that is up has subscribed before the headers go out: a client that got
+    # them and then acts sees its doings' events, whichever node they happen on.
+    ready, started = asyncio.Event(), asyncio.Event()
+    watching = asyncio.create_task(watch(ready, started))
+    try:
+        await ready.wait()
+    except BaseException:
+        watching.cancel()
+        raise
+
     async def merged() -> AsyncIterator[str]:
-        watching = asyncio.create_task(watch())
+        started.set()
         try:
             yield "retry: 1000\n\n"
             while True:

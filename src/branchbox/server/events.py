@@ -58,6 +58,8 @@ async def events(
         if not (last_event_id.isascii() and last_event_id.isdigit()) or len(last_event_id) > 18:
             raise errors.InvalidRequest("Last-Event-ID must be an event id (a number)")
         since = int(last_event_id)
+    if since is None:  # "from now on" is now, not when the body starts: a client that
+        since = engine.events.last_id  # got the headers and then acts sees its events
     return StreamingResponse(_stream(engine.events, since, _stopping(request)), media_type=SSE,
                              headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
