@@ -13,7 +13,6 @@ namespaces and nftables tables.
 from __future__ import annotations
 
 import contextlib
-
 import os
 import shutil
 import tempfile

@@ -13,6 +13,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Iterator
@@ -186,6 +187,72 @@ def test_snapshot_keeps_what_overlayfs_needs(store: Store, readonly: bool) -> No
 
     store.backend.delete(snap)
     store.backend.delete(src)
+
+
+DEEP_TREE = """
+import os, resource, sys
+from pathlib import Path
+from branchbox.storage.backend import BtrfsBackend, CopyBackend
+from branchbox.storage.squash import squash
+
+kind, root, depth = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+backend = BtrfsBackend() if kind == "btrfs" else CopyBackend()
+# A walk holding a fd (or a Python frame) per level fails below; ours holds a few.
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 48,) * 2)
+
+def grow(volume, name):
+    fd = os.open(volume / "upper", os.O_DIRECTORY)
+    for _ in range(depth):
+        os.mkdir("d", dir_fd=fd)
+        sub = os.open("d", os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = sub
+    os.close(os.open(name, os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=fd))
+    os.close(fd)
+
+def leaves(volume):
+    fd, found = os.open(volume / "upper", os.O_DIRECTORY), []
+    while True:
+        names = sorted(os.listdir(fd))
+        found += [n for n in names if n != "d"]
+        if "d" not in names:
+            os.close(fd)
+            return found
+        sub = os.open("d", os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = sub
+
+bottom, top, copy, squashed = (root / n for n in ("bottom", "top", "copy", "squashed"))
+for volume in (bottom, top):
+    backend.create_volume(volume)
+    (volume / "upper").mkdir()
+grow(bottom, "old")
+grow(top, "new")  # the same directories: merged level by level
+backend.snapshot(top, copy, readonly=True)
+squash(backend, [top, bottom], squashed)
+print(leaves(copy), leaves(squashed))
+for volume in (bottom, top, copy, squashed):
+    backend.delete(volume)
+print(sorted(os.listdir(root)))
+"""
+
+
+def test_trees_deeper_than_a_stack_and_path_max_are_copied_squashed_and_deleted(
+        store: Store) -> None:
+    """A sandbox makes a tree of any depth in its layer in a moment (relative mkdir and
+    chdir): 3,000 levels pass Python's recursion limit and PATH_MAX. Snapshots, the
+    squash of a fork chain and deletes go through with a handful of fds (a walk with one
+    per level would empty the daemon's fd table for every other sandbox; the squash
+    failed with RecursionError, every later fork of that sandbox with it)."""
+    root = fresh(store)
+    root.mkdir()
+    try:
+        run = subprocess.run([sys.executable, "-c", DEEP_TREE, store.backend.name,
+                              str(root), "3000"], capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert run.stdout.splitlines() == ["['new'] ['new', 'old']", "[]"], run.stdout
+    finally:
+        store.backend.delete(root)
 
 
 def test_delete_missing_path_is_not_an_error(store: Store) -> None:

@@ -10,6 +10,7 @@
     ├── SandboxTimeout (408)      a run or command hit its timeout
     ├── ReplGone (410)            the sandbox's REPL process died
     ├── PayloadTooLarge (413)
+    ├── PathTooLong (422)         a path in the sandbox is longer than the host can name
     ├── ResourceLimit (429)       the sandbox's process limit is reached
     ├── ServerStopping (503)      the server is stopping
     └── InsufficientStorage (507) the sandbox's disk limit, or the store, is full
@@ -64,6 +65,18 @@ class ReplGone(EngineError):
 class PayloadTooLarge(EngineError):
     status = 413
     kind = "PayloadTooLarge"
+
+
+class PathTooLong(EngineError):
+    """A sandbox holds a path longer than PATH_MAX (a deep tree, made with relative
+    steps): the daemon, as host root, cannot name it to diff, commit or save it."""
+
+    status = 422
+    kind = "PathTooLong"
+
+    def __init__(self, doing: str = "") -> None:
+        super().__init__(f"{doing}{': ' if doing else ''}the sandbox holds a path longer "
+                         "than the host can name (PATH_MAX, 4096 bytes); shorten or remove it")
 
 
 class CommandNotFound(EngineError):

@@ -28,7 +28,7 @@ from branchbox.engine import errors
 from branchbox.engine.host_image import HOST
 from branchbox.engine.image_build import STEP_PREFIX, collect_steps, step_manifest
 from branchbox.storage import btrfs
-from branchbox.storage.copyfs import remove_tree
+from branchbox.storage.copyfs import remove_tree, walk
 from branchbox.storage.idmap import UID_BASE, UID_COUNT
 from branchbox.storage.images import KNOWN_IMAGES, SYSTEM_PYTHON, image_manifest, write_atomically
 
@@ -36,6 +36,7 @@ from branchbox.storage.images import KNOWN_IMAGES, SYSTEM_PYTHON, image_manifest
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 RESERVED = (HOST,)  # the host's own root (engine/host_image.py)
 _SETID = stat.S_ISUID | stat.S_ISGID
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class SavedImages:
@@ -276,36 +277,34 @@ def _rebase_tree(root: Path, old_base: int, new_base: int) -> None:
     """Move the owners of everything under ``root`` from host range ``old_base``.. to
     ``new_base``.. (ids outside the old range are left alone). Symlinks are not
     followed; chown's clearing of setuid/setgid is undone, as shift_tree does."""
-    pending = [os.fspath(root)]
-    top = os.lstat(pending[0])
-    _rebase(pending[0], top, old_base, new_base)
-    while pending:
-        with os.scandir(pending.pop()) as entries:
-            for entry in entries:
-                st = entry.stat(follow_symlinks=False)
-                if st.st_dev != top.st_dev:
-                    continue  # never leave the volume
-                _rebase(entry.path, st, old_base, new_base)
-                if stat.S_ISDIR(st.st_mode):
-                    pending.append(entry.path)
+    fd = os.open(root, _DIR)
+    try:
+        top = os.fstat(fd)
+        _rebase(fd, ".", top, old_base, new_base)
+        for parent, name, st in walk(fd):
+            if st.st_dev == top.st_dev:  # never leave the volume
+                _rebase(parent, name, st, old_base, new_base)
+    finally:
+        os.close(fd)
 
 
-def _rebase(path: str, st: os.stat_result, old_base: int, new_base: int) -> None:
+def _rebase(parent: int, name: str, st: os.stat_result, old_base: int, new_base: int
+            ) -> None:
     def move(value: int) -> int:
         return value - old_base + new_base if old_base <= value < old_base + UID_COUNT else value
 
     uid, gid = move(st.st_uid), move(st.st_gid)
     if (uid, gid) == (st.st_uid, st.st_gid):
         return
-    os.chown(path, uid, gid, follow_symlinks=False)
+    os.chown(name, uid, gid, dir_fd=parent, follow_symlinks=False)
     if st.st_mode & _SETID and not stat.S_ISLNK(st.st_mode):
-        os.chmod(path, stat.S_IMODE(st.st_mode))
+        os.chmod(name, stat.S_IMODE(st.st_mode), dir_fd=parent)
 
 
 def _usage(root: Path) -> int:
-    total = 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        for entry in (*dirnames, *filenames):
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, entry)).st_blocks * 512
-    return total
+    """Bytes the files under ``root`` take (a tree of any depth: ``copyfs.walk``)."""
+    fd = os.open(root, _DIR)
+    try:
+        return sum(st.st_blocks * 512 for _, _, st in walk(fd))
+    finally:
+        os.close(fd)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import secrets
 import stat
@@ -98,6 +99,9 @@ class Workspaces:
                 # directory is entirely old or entirely new before anyone looks.
                 outcome = await asyncio.to_thread(workspace_commit.recover, host)
                 self.records.end_commit(host)
+                if isinstance(exc, OSError) and exc.errno == errno.ENAMETOOLONG:
+                    raise errors.PathTooLong(f"commit into {host} failed ({outcome})"
+                                             ) from None
                 raise errors.EngineError(f"commit into {host} failed ({outcome}): "
                                          f"{type(exc).__name__}: {exc}") from None
             self.records.end_commit(host)

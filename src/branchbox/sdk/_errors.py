@@ -136,6 +136,7 @@ _TABLE: dict[str, tuple[type[SandboxError], int | None]] = {
     "NodeUnavailable": (NodeUnavailable, None),
     "InsufficientStorage": (InsufficientStorage, 507),
     "ImageBuildFailed": (ImageBuildFailed, 422),
+    "PathTooLong": (SandboxError, None),  # a sandbox's path too long for the host (422)
 }
 _BY_STATUS = {status: cls for cls, status in _TABLE.values() if status is not None}
 

@@ -8,6 +8,8 @@ never has to parse an HTML error page or guess from a bare status.
 
 from __future__ import annotations
 
+import errno
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -29,6 +31,8 @@ class AuthError(errors.EngineError):
 
 def describe(exc: BaseException) -> tuple[int, str, str]:
     """(status, message, kind) of any exception, as the client will see it."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENAMETOOLONG:
+        exc = errors.PathTooLong()  # the daemon walked a sandbox's deep tree
     if isinstance(exc, errors.EngineError):
         return exc.status, exc.message, exc.kind
     return 500, f"internal error: {type(exc).__name__}: {exc}", "SandboxError"
@@ -83,7 +87,16 @@ def install_error_handlers(app: FastAPI) -> None:
                        "(is the server older than the client?)")
         return error_response(exc.status_code, message, kind)
 
+    async def os_error(_: Request, exc: Exception) -> JSONResponse:
+        """A path too long to name is the sandbox's doing: a 422 like an engine error (the
+        handler for Exception, below, re-raises for the log, which ends the connection)."""
+        assert isinstance(exc, OSError)
+        if exc.errno != errno.ENAMETOOLONG:
+            raise exc
+        return error_response(*describe(exc))
+
     app.add_exception_handler(errors.EngineError, engine_error)
+    app.add_exception_handler(OSError, os_error)
     app.add_exception_handler(RequestValidationError, bad_request)
     app.add_exception_handler(HTTPException, http_error)
     # Exception handlers for Exception itself run in Starlette's outermost middleware: the

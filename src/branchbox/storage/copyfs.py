@@ -41,7 +41,7 @@ import errno
 import fcntl
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 FS_IOC_GETFLAGS = 0x80086601
@@ -74,7 +74,11 @@ class CopyBackend:
         try:
             os.mkdir(dst, 0o700)
             try:
-                copy_tree(src_fd, os.fspath(dst))
+                dst_fd = os.open(dst, _DIR)
+                try:
+                    copy_tree(src_fd, dst_fd)
+                finally:
+                    os.close(dst_fd)
             except BaseException:
                 remove_tree(dst)
                 raise
@@ -88,52 +92,119 @@ class CopyBackend:
         remove_tree(path)
 
 
-def copy_tree(src_fd: int, dst: str) -> None:
-    """Copy the directory open at ``src_fd`` into the new, empty directory ``dst``.
+class Cursor:
+    """One open directory of a depth-first walk: down into a subdirectory, back up
+    through ``..``, checked to be the very directory it came from. One fd however deep
+    the tree: a sandbox makes a tree of 100,000 levels in a second, and a walk holding
+    a fd per level would empty the daemon's fd table for every other sandbox."""
 
-    Iterative (a deep tree costs one fd pair per level, not a Python frame), and
-    directory metadata is applied after the directory's entries, so its times and a
-    read-only mode stick.
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._back: list[tuple[int, int]] = []  # (st_dev, st_ino) of each level above
+
+    def down(self, sub: int) -> None:
+        """Move to the subdirectory open at ``sub``, which the cursor owns from now on."""
+        try:
+            st = os.fstat(self.fd)
+        except BaseException:
+            os.close(sub)
+            raise
+        self._back.append((st.st_dev, st.st_ino))
+        os.close(self.fd)
+        self.fd = sub
+
+    def up(self) -> None:
+        """Back to the directory the last ``down`` came from."""
+        parent = os.open("..", _DIR, dir_fd=self.fd)
+        st = os.fstat(parent)
+        if (st.st_dev, st.st_ino) != self._back[-1]:
+            os.close(parent)
+            raise OSError(errno.ESTALE, "a directory moved while it was walked")
+        os.close(self.fd)
+        self.fd = parent
+        self._back.pop()
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def walk(top_fd: int) -> Iterator[tuple[int, str, os.stat_result]]:
+    """Every entry below the directory open at ``top_fd``, depth first, as (fd of its
+    directory, valid until the next step; name; lstat). Directories on another device
+    are given but not entered; one fd however deep (``Cursor``)."""
+    dev = os.fstat(top_fd).st_dev
+    at = Cursor(os.dup(top_fd))
+    frames = [listing(at.fd)]  # each: a directory's entries still to give
+    try:
+        while frames:
+            if not frames[-1]:
+                frames.pop()
+                if frames:
+                    at.up()
+                continue
+            name, st = frames[-1].pop()
+            yield at.fd, name, st
+            if stat.S_ISDIR(st.st_mode) and st.st_dev == dev:
+                at.down(os.open(name, _DIR, dir_fd=at.fd))
+                frames.append(listing(at.fd))
+    finally:
+        at.close()
+
+
+def every_xattr(name: str) -> bool:
+    """Copy every extended attribute (a snapshot is the same layer)."""
+    return True
+
+
+def copy_tree(src_fd: int, dst_fd: int, keep_xattr: Callable[[str], bool] = every_xattr
+              ) -> None:
+    """Copy the directory open at ``src_fd`` into the empty directory open at ``dst_fd``
+    (its own metadata too), copying the extended attributes ``keep_xattr`` accepts.
+
+    Iterative and fd-relative (two fds however deep the tree, no path longer than
+    PATH_MAX), and directory metadata is applied after the directory's entries, so its
+    times and a read-only mode stick.
     """
     dev = os.fstat(src_fd).st_dev
-    root = os.open(dst, _DIR)
-    links: dict[tuple[int, int], str] = {}  # (dev, ino) of a multiply linked file -> dst path
-    # Each frame: the source and destination directory fds, the destination path, and
-    # the entries still to copy.
-    stack = [(os.dup(src_fd), root, dst, _entries(src_fd))]
+    # (dev, ino) of a multiply linked file -> its first copy, relative to dst_fd
+    links: dict[tuple[int, int], str] = {}
+    src, dst = Cursor(os.dup(src_fd)), Cursor(os.dup(dst_fd))
+    # Each frame: a directory's entries still to copy, and its path relative to dst_fd.
+    frames = [(listing(src.fd), "")]
     try:
-        while stack:
-            sfd, dfd, dpath, todo = stack[-1]
+        while frames:
+            todo, dpath = frames[-1]
             if not todo:
-                stack.pop()
-                try:
-                    _dir_metadata(sfd, dfd)
-                finally:
-                    os.close(sfd)
-                    os.close(dfd)
+                dir_metadata(src.fd, dst.fd, keep_xattr)
+                frames.pop()
+                if frames:
+                    src.up()
+                    dst.up()
                 continue
             name, st = todo.pop()
-            if stat.S_ISDIR(st.st_mode):
-                sub = os.open(name, _DIR, dir_fd=sfd)  # ELOOP if swapped for a symlink
-                try:
-                    if os.fstat(sub).st_dev != dev:
-                        raise OSError(errno.EXDEV, "refusing to copy across a mount",
-                                      f"{dpath}/{name}")
-                    os.mkdir(name, 0o700, dir_fd=dfd)
-                    dsub = os.open(name, _DIR, dir_fd=dfd)
-                except BaseException:
-                    os.close(sub)
-                    raise
-                stack.append((sub, dsub, f"{dpath}/{name}", _entries(sub)))
-            else:
-                _copy_entry(sfd, dfd, dpath, name, st, links)
+            if not stat.S_ISDIR(st.st_mode):
+                copy_entry(src.fd, dst.fd, name, st, keep_xattr,
+                           links=links, root=dst_fd, dpath=dpath)
+                continue
+            sub = os.open(name, _DIR, dir_fd=src.fd)  # ELOOP if swapped for a symlink
+            try:
+                if os.fstat(sub).st_dev != dev:
+                    raise OSError(errno.EXDEV, "refusing to copy across a mount",
+                                  f"{dpath}/{name}")
+                os.mkdir(name, 0o700, dir_fd=dst.fd)
+                dsub = os.open(name, _DIR, dir_fd=dst.fd)
+            except BaseException:
+                os.close(sub)
+                raise
+            src.down(sub)
+            dst.down(dsub)
+            frames.append((listing(src.fd), f"{dpath}/{name}".lstrip("/")))
     finally:
-        for sfd, dfd, _, _ in stack:
-            os.close(sfd)
-            os.close(dfd)
+        src.close()
+        dst.close()
 
 
-def _entries(dir_fd: int) -> list[tuple[str, os.stat_result]]:
+def listing(dir_fd: int) -> list[tuple[str, os.stat_result]]:
     """The entries of an open directory, each ``fstatat``'ed without following."""
     found = []
     with os.scandir(dir_fd) as entries:
@@ -142,14 +213,26 @@ def _entries(dir_fd: int) -> list[tuple[str, os.stat_result]]:
     return found
 
 
-def _copy_entry(sfd: int, dfd: int, dpath: str, name: str, st: os.stat_result,
-                links: dict[tuple[int, int], str]) -> None:
-    """Copy one non-directory entry ``name`` of directory ``sfd`` into ``dfd``."""
+def copy_entry(sfd: int, dfd: int, name: str, st: os.stat_result,
+               keep_xattr: Callable[[str], bool] = every_xattr, *,
+               links: dict[tuple[int, int], str] | None = None, root: int = -1,
+               dpath: str = "") -> None:
+    """Copy the non-directory entry ``name`` (``st``: its lstat) of directory ``sfd``
+    into ``dfd``, where nothing has that name: a file's data, a symlink as a symlink, a
+    whiteout, FIFO or socket made anew; a device node is left out. With ``links``, a
+    file linked more than once is copied once and linked again (``links`` holds first
+    copies' paths relative to the fd ``root``; ``dpath`` is ``dfd``'s)."""
     mode = st.st_mode
     key = (st.st_dev, st.st_ino)
-    if st.st_nlink > 1 and key in links:  # another name of a file already copied
-        os.link(links[key], name, dst_dir_fd=dfd, follow_symlinks=False)
-        return
+    linked = links is not None and st.st_nlink > 1
+    if linked and key in links:  # another name of a file already copied
+        try:
+            os.link(links[key], name, src_dir_fd=root, dst_dir_fd=dfd,
+                    follow_symlinks=False)
+            return
+        except OSError as exc:  # a first copy too deep to name: this one is a copy too
+            if exc.errno != errno.ENAMETOOLONG:
+                raise
     if stat.S_ISREG(mode):
         _copy_file(sfd, dfd, name, st)
     elif stat.S_ISLNK(mode):
@@ -161,10 +244,10 @@ def _copy_entry(sfd: int, dfd: int, dpath: str, name: str, st: os.stat_result,
     os.chown(name, st.st_uid, st.st_gid, dir_fd=dfd, follow_symlinks=False)
     if not stat.S_ISLNK(mode):
         os.chmod(name, stat.S_IMODE(mode), dir_fd=dfd)  # after chown, which clears set-id
-    _xattrs(f"/proc/self/fd/{sfd}/{name}", f"/proc/self/fd/{dfd}/{name}")
+    _xattrs(f"/proc/self/fd/{sfd}/{name}", f"/proc/self/fd/{dfd}/{name}", keep_xattr)
     os.utime(name, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=dfd, follow_symlinks=False)
-    if st.st_nlink > 1:
-        links[key] = f"{dpath}/{name}"
+    if linked:
+        links[key] = f"{dpath}/{name}" if dpath else name
 
 
 def _copy_file(sfd: int, dfd: int, name: str, st: os.stat_result) -> None:
@@ -236,8 +319,9 @@ def _copy_range(src: int, dst: int, n: int, offset: int) -> int:
     return len(chunk)
 
 
-def _xattrs(src: int | str, dst: int | str) -> None:
-    """Copy every extended attribute (overlay's ``trusted.*`` ones above all).
+def _xattrs(src: int | str, dst: int | str, keep: Callable[[str], bool]) -> None:
+    """Copy the extended attributes ``keep`` accepts (overlay's ``trusted.*`` ones above
+    all).
 
     Paths given here are ``/proc/self/fd/<dir fd>/<name>``: the directory is the pinned
     one, and the last component is not followed. A filesystem without xattrs has none
@@ -251,7 +335,7 @@ def _xattrs(src: int | str, dst: int | str) -> None:
         if exc.errno in (errno.ENOTSUP, errno.EPERM):
             return
         raise
-    for attr in names:
+    for attr in filter(keep, names):
         try:
             value = os.getxattr(src, attr, follow_symlinks=follow)
         except OSError as exc:
@@ -261,11 +345,13 @@ def _xattrs(src: int | str, dst: int | str) -> None:
         os.setxattr(dst, attr, value, follow_symlinks=follow)
 
 
-def _dir_metadata(sfd: int, dfd: int) -> None:
+def dir_metadata(sfd: int, dfd: int, keep_xattr: Callable[[str], bool] = every_xattr
+                 ) -> None:
+    """Give directory ``dfd`` the owner, mode, extended attributes and times of ``sfd``."""
     st = os.fstat(sfd)
     os.fchown(dfd, st.st_uid, st.st_gid)
     os.fchmod(dfd, stat.S_IMODE(st.st_mode))
-    _xattrs(sfd, dfd)
+    _xattrs(sfd, dfd, keep_xattr)
     os.utime(dfd, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
@@ -309,7 +395,7 @@ def remove_tree(
     subvolumes there); by default that is an error, since it is a mount point
     whose contents are not ours to delete.
     """
-    top = os.fspath(path)
+    top = os.path.normpath(os.fspath(path))
     try:
         st = os.lstat(top)
     except FileNotFoundError:
@@ -318,22 +404,78 @@ def remove_tree(
         os.unlink(top)
         return
     set_immutable(top, False)
-    # Post-order walk without recursion: a directory is pushed back, marked
-    # emptied, beneath its subdirectories, so it is removed after them.
-    pending: list[tuple[str, bool]] = [(top, False)]
-    while pending:
-        current, emptied = pending.pop()
-        if emptied:
-            os.rmdir(current)
-            continue
-        if not os.access(current, os.R_OK | os.W_OK | os.X_OK):
-            os.chmod(current, stat.S_IMODE(os.lstat(current).st_mode) | stat.S_IRWXU)
-        pending.append((current, True))
-        with os.scandir(current) as entries:
-            for entry in entries:
-                if not entry.is_dir(follow_symlinks=False):
-                    os.unlink(entry.path)
-                elif entry.stat(follow_symlinks=False).st_dev != st.st_dev:
-                    on_other_device(entry.path)
-                else:
-                    pending.append((entry.path, False))
+    parent = os.open(os.path.dirname(top) or ".", _DIR)
+    try:
+        remove_entry(parent, os.path.basename(top), on_other_device)
+    finally:
+        os.close(parent)
+
+
+def remove_entry(parent: int, name: str,
+                 on_other_device: Callable[[str], None] = _refuse_other_filesystem) -> None:
+    """Delete ``name`` of the directory open at ``parent``, and everything below it if it
+    is a directory (as ``remove_tree``; a missing name is not an error).
+
+    Iterative and fd-relative (one fd however deep, no path longer than PATH_MAX)."""
+    try:
+        st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(name, dir_fd=parent)
+        return
+    # Each frame: a directory's name and its subdirectories still to remove (None: not
+    # listed yet); the cursor is at the last frame's. A directory goes once they have.
+    at = Cursor(_open_to_empty(parent, name))
+    frames: list[tuple[str, list[str] | None]] = [(name, None)]
+    try:
+        while frames:
+            dname, subdirs = frames[-1]
+            if subdirs is None:
+                subdirs = _empty(at.fd, st.st_dev, on_other_device)
+                frames[-1] = (dname, subdirs)
+            if subdirs:
+                sub = subdirs.pop()
+                at.down(_open_to_empty(at.fd, sub))
+                frames.append((sub, None))
+                continue
+            frames.pop()
+            if frames:
+                at.up()
+                os.rmdir(dname, dir_fd=at.fd)
+    finally:
+        at.close()
+    os.rmdir(name, dir_fd=parent)
+
+
+def _open_to_empty(parent: int, name: str) -> int:
+    """Directory ``name`` of ``parent`` opened (not followed), with u+rwx if it lacked
+    them: its entries are about to be removed."""
+    try:
+        fd = os.open(name, _DIR, dir_fd=parent)
+    except PermissionError:  # no read permission (a caller without CAP_DAC_OVERRIDE)
+        pinned = os.open(name, os.O_PATH | _DIR, dir_fd=parent)
+        try:
+            os.chmod(f"/proc/self/fd/{pinned}", 0o700)  # that very directory
+        finally:
+            os.close(pinned)
+        fd = os.open(name, _DIR, dir_fd=parent)
+    mode = stat.S_IMODE(os.fstat(fd).st_mode)
+    if mode & stat.S_IRWXU != stat.S_IRWXU:
+        os.fchmod(fd, mode | stat.S_IRWXU)
+    return fd
+
+
+def _empty(fd: int, dev: int, on_other_device: Callable[[str], None]) -> list[str]:
+    """Unlink what the directory ``fd`` holds but directories; hand those on device
+    other than ``dev`` to ``on_other_device``; the names of the others."""
+    subdirs = []
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            if not entry.is_dir(follow_symlinks=False):
+                os.unlink(entry.name, dir_fd=fd)
+            elif entry.stat(follow_symlinks=False).st_dev != dev:
+                on_other_device(f"/proc/self/fd/{fd}/{entry.name}")
+            else:
+                subdirs.append(entry.name)
+    return subdirs

@@ -14,97 +14,90 @@ squashing does not copy bytes on btrfs.
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
 import os
-import shutil
 import stat
 from pathlib import Path
 
-from branchbox.storage.overlay import OPAQUE, is_opaque
+from branchbox.storage.copyfs import (
+    Cursor,
+    copy_entry,
+    copy_tree,
+    dir_metadata,
+    listing,
+    remove_entry,
+)
+from branchbox.storage.overlay import OPAQUE
 
-_FICLONE = 0x40049409
-
-
-def _xattrs(src: str, dst: str) -> None:
-    with contextlib.suppress(OSError):
-        for name in os.listxattr(src, follow_symlinks=False):
-            if name.startswith("trusted.overlay.") and name != OPAQUE:
-                continue  # origin/impure/redirect refer to the layer the file came from
-            os.setxattr(dst, name, os.getxattr(src, name, follow_symlinks=False),
-                        follow_symlinks=False)
-
-
-def _metadata(src: str, dst: str, st: os.stat_result) -> None:
-    os.lchown(dst, st.st_uid, st.st_gid)
-    if not stat.S_ISLNK(st.st_mode):
-        os.chmod(dst, stat.S_IMODE(st.st_mode))
-    _xattrs(src, dst)
-    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def _remove(path: str) -> None:
+def _layer_xattr(name: str) -> bool:
+    """Overlay's own attributes but ``opaque`` stay behind: origin and impure refer to
+    the layer a file came from."""
+    return name == OPAQUE or not name.startswith("trusted.overlay.")
+
+
+def _opaque(parent: int, name: str) -> bool:
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path)
-    else:
-        os.unlink(path)
+        return os.getxattr(f"/proc/self/fd/{parent}/{name}", OPAQUE,
+                           follow_symlinks=False) == b"y"
+    except OSError:
+        return False
 
 
-def _copy_file(src: str, dst: str) -> None:
-    with open(src, "rb") as fsrc, open(dst, "wb") as fdst:
-        try:
-            fcntl.ioctl(fdst.fileno(), _FICLONE, fsrc.fileno())
-        except OSError as exc:
-            if exc.errno not in (errno.EXDEV, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOTTY):
+def apply_layer(src_fd: int, dst_fd: int) -> None:
+    """Apply the overlay layer directory open at ``src_fd`` onto the layer directory open
+    at ``dst_fd``. Iterative and fd-relative: a sandbox's tree deeper than a Python
+    stack or than PATH_MAX costs no more fds than a flat one (``copyfs.Cursor``), and
+    no symlink is followed."""
+    src, dst = Cursor(os.dup(src_fd)), Cursor(os.dup(dst_fd))
+    frames = [listing(src.fd)]  # each: a merged directory's entries still to apply
+    try:
+        while frames:
+            todo = frames[-1]
+            if not todo:
+                frames.pop()
+                if frames:  # the layers' roots keep the bottom one's metadata
+                    dir_metadata(src.fd, dst.fd, _layer_xattr)
+                    src.up()
+                    dst.up()
+                continue
+            name, st = todo.pop()
+            remove = not stat.S_ISDIR(st.st_mode) or _opaque(src.fd, name) \
+                or not _is_dir(dst.fd, name)
+            if remove:  # the path is replaced whole
+                remove_entry(dst.fd, name)
+            if not stat.S_ISDIR(st.st_mode):
+                copy_entry(src.fd, dst.fd, name, st, _layer_xattr)
+                continue
+            if remove:
+                os.mkdir(name, 0o700, dir_fd=dst.fd)
+            sub = os.open(name, _DIR, dir_fd=src.fd)
+            try:
+                dsub = os.open(name, _DIR, dir_fd=dst.fd)
+            except BaseException:
+                os.close(sub)
                 raise
-            shutil.copyfileobj(fsrc, fdst, 1 << 20)
+            if remove:
+                try:
+                    copy_tree(sub, dsub, _layer_xattr)
+                finally:
+                    os.close(sub)
+                    os.close(dsub)
+                continue
+            src.down(sub)  # merged: its entries apply one by one, then its metadata
+            dst.down(dsub)
+            frames.append(listing(src.fd))
+    finally:
+        src.close()
+        dst.close()
 
 
-def _copy_entry(src: str, dst: str, st: os.stat_result) -> None:
-    """Copy one non-directory entry (file, symlink, whiteout or other node)."""
-    if stat.S_ISREG(st.st_mode):
-        _copy_file(src, dst)
-    elif stat.S_ISLNK(st.st_mode):
-        os.symlink(os.readlink(src), dst)
-    else:
-        os.mknod(dst, st.st_mode, st.st_rdev)
-    _metadata(src, dst, st)
-
-
-def _copy_tree(src: str, dst: str, st: os.stat_result) -> None:
-    os.mkdir(dst)
-    for entry in os.scandir(src):
-        est = entry.stat(follow_symlinks=False)
-        target = os.path.join(dst, entry.name)
-        if stat.S_ISDIR(est.st_mode):
-            _copy_tree(entry.path, target, est)
-        else:
-            _copy_entry(entry.path, target, est)
-    _metadata(src, dst, st)
-
-
-def apply_layer(src: str, dst: str) -> None:
-    """Apply the overlay layer directory ``src`` onto the layer directory ``dst``."""
-    for entry in os.scandir(src):
-        st = entry.stat(follow_symlinks=False)
-        target = os.path.join(dst, entry.name)
-        if stat.S_ISDIR(st.st_mode):
-            opaque = is_opaque(entry.path)
-            existing = os.path.isdir(target) and not os.path.islink(target)
-            if opaque or not existing:
-                _remove(target)
-                _copy_tree(entry.path, target, st)
-            else:
-                apply_layer(entry.path, target)
-                _metadata(entry.path, target, st)
-        else:
-            _remove(target)
-            _copy_entry(entry.path, target, st)
+def _is_dir(parent: int, name: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode)
+    except FileNotFoundError:
+        return False
 
 
 def squash(backend, volumes: list[Path], dst: Path) -> None:
@@ -115,7 +108,15 @@ def squash(backend, volumes: list[Path], dst: Path) -> None:
         for volume in reversed(volumes[:-1]):
             for layer in ("upper", "ws/upper"):  # the root, and a workspace if there is one
                 if (volume / layer).is_dir():
-                    apply_layer(str(volume / layer), str(dst / layer))
+                    src_fd = os.open(volume / layer, _DIR)
+                    try:
+                        dst_fd = os.open(dst / layer, _DIR)
+                        try:
+                            apply_layer(src_fd, dst_fd)
+                        finally:
+                            os.close(dst_fd)
+                    finally:
+                        os.close(src_fd)
     except BaseException:
         backend.delete(dst)
         raise
