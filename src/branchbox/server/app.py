@@ -31,7 +31,7 @@ from branchbox.server.deps import require_api_key
 from branchbox.server.disconnect import DisconnectWatch
 from branchbox.server.e2b_access import require_e2b_key
 from branchbox.server.e2b_ports import SandboxPorts
-from branchbox.server.errors import install_error_handlers
+from branchbox.server.errors import SandboxJSON, install_error_handlers
 from branchbox.server.limits import BodyLimit
 from branchbox.server.replay import EventLog
 from branchbox.server.stopping import StopGate, StopSignal
@@ -65,6 +65,7 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] = (),
             await engine.stop()
 
     app = FastAPI(title="branchbox", version="0.1.0", lifespan=lifespan,
+                  default_response_class=SandboxJSON,
                   description="Linux sandboxes with a persistent Python REPL that fork.")
     app.state.engine = engine
     app.state.api_keys = frozenset(api_keys)

@@ -9,13 +9,19 @@ never has to parse an HTML error page or guess from a bare status.
 from __future__ import annotations
 
 import errno
+import json
+import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from branchbox.engine import errors
+
+log = logging.getLogger("branchbox.server")
 
 # Kinds for failures of the HTTP layer itself (the SDK maps them like engine kinds).
 _HTTP_KINDS = {404: "EndpointNotFound", 405: "MethodNotAllowed", 413: "PayloadTooLarge"}
@@ -38,8 +44,53 @@ def describe(exc: BaseException) -> tuple[int, str, str]:
     return 500, f"internal error: {type(exc).__name__}: {exc}", "SandboxError"
 
 
+class SandboxJSON(JSONResponse):
+    """JSON that carries what sandboxes name: a file name that is not UTF-8 (any bytes but
+    NUL and '/') comes from the kernel as a str with lone surrogates, which UTF-8 cannot
+    encode. Such a body goes out as ASCII JSON, the surrogates as ``\\udcXX`` escapes that
+    a JSON parser turns back into the same str (``os.fsencode`` gives the bytes). Before,
+    a diff, a listing or a commit of such a name answered 500 (the commit had been made).
+
+    Set as the app's default response class, which also turns off FastAPI's direct
+    serialization of ``-> dict`` answers (it refuses the surrogates)."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, allow_nan=False, separators=(",", ":")).encode()
+
+
 def error_response(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse({"error": message, "type": kind}, status_code=status)
+    return SandboxJSON({"error": message, "type": kind}, status_code=status)
+
+
+class InternalErrors:
+    """The JSON 500 of an unexpected exception, logged here. Starlette's outermost handler
+    answers it too but re-raises it for the log, and uvicorn then closes the connection:
+    the client's next call on that kept-alive connection failed as well (ReadError)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as exc:
+            if started:  # half an answer out: only closing the connection ends it
+                raise
+            log.exception("%s %s failed", scope["method"], scope["path"])
+            await error_response(*describe(exc))(scope, receive, send)
 
 
 def validation_message(exc: RequestValidationError) -> str:
@@ -88,8 +139,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status_code, message, kind)
 
     async def os_error(_: Request, exc: Exception) -> JSONResponse:
-        """A path too long to name is the sandbox's doing: a 422 like an engine error (the
-        handler for Exception, below, re-raises for the log, which ends the connection)."""
+        """A path too long to name is the sandbox's doing: a 422 like an engine error."""
         assert isinstance(exc, OSError)
         if exc.errno != errno.ENAMETOOLONG:
             raise exc
@@ -97,6 +147,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     app.add_exception_handler(errors.EngineError, engine_error)
     app.add_exception_handler(OSError, os_error)
+    app.add_middleware(InternalErrors)
     app.add_exception_handler(RequestValidationError, bad_request)
     app.add_exception_handler(HTTPException, http_error)
     # Exception handlers for Exception itself run in Starlette's outermost middleware: the
