@@ -22,7 +22,8 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from branchbox.server.errors import SandboxJSON, install_error_handlers
+from branchbox.server.errors import install_error_handlers
+from branchbox.server.sandbox_json import SandboxJSON
 
 
 @pytest.fixture

@@ -17,10 +17,11 @@ from collections.abc import AsyncIterator, Callable
 
 import httpx
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from branchbox.gateway.forward import Credentials, error
 from branchbox.gateway.nodes import REFRESH_SECONDS, Node, Nodes
+from branchbox.server.sandbox_json import SandboxJSON
 
 MAX_PAGE = 1000  # a daemon's largest page of E2B's list: what the gateway asks each for
 KEEPALIVE_SECONDS = 15.0
@@ -103,7 +104,7 @@ async def listing(request: Request, nodes: Nodes, client: httpx.AsyncClient,
             headers["X-Next-Token"] = base64.urlsafe_b64encode(
                 json.dumps({"gateway_offset": offset + limit}).encode()).decode()
         merged = merged[offset:offset + limit]
-    return JSONResponse(merged, headers=headers)
+    return SandboxJSON(merged, headers=headers)
 
 
 def _rows(answers: list[tuple[Node, object]]) -> list:

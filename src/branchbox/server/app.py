@@ -31,9 +31,10 @@ from branchbox.server.deps import require_api_key
 from branchbox.server.disconnect import DisconnectWatch
 from branchbox.server.e2b_access import require_e2b_key
 from branchbox.server.e2b_ports import SandboxPorts
-from branchbox.server.errors import SandboxJSON, install_error_handlers
+from branchbox.server.errors import install_error_handlers
 from branchbox.server.limits import BodyLimit
 from branchbox.server.replay import EventLog
+from branchbox.server.sandbox_json import SandboxJSON
 from branchbox.server.stopping import StopGate, StopSignal
 from branchbox.server.ui import routes as ui
 

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from branchbox.engine import errors
 from branchbox.server.errors import describe
+from branchbox.server.sandbox_json import SandboxJSON
 
 STREAM_TYPE = "application/connect+json"
 END_STREAM = 0x02
@@ -65,7 +66,7 @@ def code_of(exc: BaseException) -> tuple[str, str]:
 
 def error_response(exc: BaseException) -> JSONResponse:
     code, message = code_of(exc)
-    return JSONResponse({"code": code, "message": message},
+    return SandboxJSON({"code": code, "message": message},
                         status_code=_STATUS_OF_CODE.get(code, 500))
 
 
@@ -124,7 +125,7 @@ def timeout_of(request: Request) -> float | None:
 async def unary(request: Request, handler: Callable[[dict], Awaitable[dict]]) -> Response:
     """Answer a unary call with ``handler(message)``, or its failure as a Connect error."""
     try:
-        return JSONResponse(await handler(await read_unary(request)))
+        return SandboxJSON(await handler(await read_unary(request)))
     except Exception as exc:  # every failure reaches the client as a Connect error
         return _reported(exc)
 

@@ -33,6 +33,7 @@ from branchbox.engine.sandboxes import Engine
 from branchbox.server.deps import EngineDep
 from branchbox.server.e2b_access import access_token
 from branchbox.server.errors import describe, validation_message
+from branchbox.server.sandbox_json import SandboxJSON
 
 # The envd version we answer as: the SDK gates features on it. 0.5.7 is the first with
 # everything we serve (default user, stdin, octet-stream uploads) and none of what we do not
@@ -65,7 +66,7 @@ class E2BRoute(APIRoute):
 
 
 def e2b_error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"code": status, "message": message, "error": message},
+    return SandboxJSON({"code": status, "message": message, "error": message},
                         status_code=status)
 
 

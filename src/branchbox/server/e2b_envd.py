@@ -31,7 +31,6 @@ from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
-from fastapi.responses import JSONResponse
 
 from branchbox.engine import errors
 from branchbox.engine.sandboxes import Engine
@@ -43,6 +42,7 @@ from branchbox.server.e2b_control import E2B_HOME, e2b_error
 from branchbox.server.errors import describe
 from branchbox.server.files import _limited, _too_large
 from branchbox.server.models import check_sandbox_path
+from branchbox.server.sandbox_json import SandboxJSON
 from branchbox.server.streams import bytes_response, opened
 
 router = APIRouter(tags=["e2b sandbox"], include_in_schema=False)
@@ -399,7 +399,7 @@ async def upload(request: Request, sandbox_id: SandboxId, engine: EngineDep,
             written.append(target)
     except (errors.EngineError, RpcError) as exc:
         return _files_error(exc)
-    return JSONResponse([{"name": p.rsplit("/", 1)[-1], "type": "file", "path": p}
+    return SandboxJSON([{"name": p.rsplit("/", 1)[-1], "type": "file", "path": p}
                          for p in written])
 
 

@@ -9,9 +9,7 @@ never has to parse an HTML error page or guess from a bare status.
 from __future__ import annotations
 
 import errno
-import json
 import logging
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,6 +18,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from branchbox.engine import errors
+from branchbox.server.sandbox_json import SandboxJSON
 
 log = logging.getLogger("branchbox.server")
 
@@ -42,23 +41,6 @@ def describe(exc: BaseException) -> tuple[int, str, str]:
     if isinstance(exc, errors.EngineError):
         return exc.status, exc.message, exc.kind
     return 500, f"internal error: {type(exc).__name__}: {exc}", "SandboxError"
-
-
-class SandboxJSON(JSONResponse):
-    """JSON that carries what sandboxes name: a file name that is not UTF-8 (any bytes but
-    NUL and '/') comes from the kernel as a str with lone surrogates, which UTF-8 cannot
-    encode. Such a body goes out as ASCII JSON, the surrogates as ``\\udcXX`` escapes that
-    a JSON parser turns back into the same str (``os.fsencode`` gives the bytes). Before,
-    a diff, a listing or a commit of such a name answered 500 (the commit had been made).
-
-    Set as the app's default response class, which also turns off FastAPI's direct
-    serialization of ``-> dict`` answers (it refuses the surrogates)."""
-
-    def render(self, content: Any) -> bytes:
-        try:
-            return super().render(content)
-        except UnicodeEncodeError:
-            return json.dumps(content, allow_nan=False, separators=(",", ":")).encode()
 
 
 def error_response(status: int, message: str, kind: str) -> JSONResponse:
