@@ -240,27 +240,28 @@ def test_plug_each_plugs_every_namespace_given() -> None:
         asyncio.run(scenario([one.pid, two.pid]))
 
 
+AT_THE_SLOT = """
+import asyncio, os
+from pathlib import Path
+from branchbox.runtime.netlink_msgs import NETNS_SLOT
+from branchbox.runtime.network import Helper
+while (fd := os.open(os.devnull, os.O_RDONLY)) < NETNS_SLOT - 1:
+    pass  # a fresh process: every fd below the slot is taken now
+os.close(fd)  # the socket pair takes the slot's number and the one below it
+helper = Helper()
+given = Path(f"/proc/{helper.proc.pid}/cmdline").read_bytes().split(b"\\0")[-2]
+print(int(given), "lo" in asyncio.run(helper.call("links"))["names"])
+helper.close()
+"""
+
+
 def test_a_helper_given_its_socket_at_the_reserved_slot_still_answers() -> None:
     """The helper's socket keeps the daemon's fd number (pass_fds), and a daemon holding
     ~200 fds hands it fd 200, the slot the helper reserves for a request's namespace:
     the helper overwrote its own socket there and exited at its first request, silently
-    ("the netlink helper died" at an engine's start)."""
-    fillers: list[int] = []
-    try:
-        while (fd := os.open(os.devnull, os.O_RDONLY)) < netlink_msgs.NETNS_SLOT - 1:
-            fillers.append(fd)
-        os.close(fd)  # the socket pair takes the slot's number and the one below it
-        helper = Helper()
-    finally:
-        for fd in fillers:
-            os.close(fd)
-
-    async def links() -> dict:
-        return await helper.call("links")
-
-    try:
-        given = Path(f"/proc/{helper.proc.pid}/cmdline").read_bytes().split(b"\0")[-2]
-        assert int(given) == netlink_msgs.NETNS_SLOT, "the socket missed the slot"
-        assert "lo" in asyncio.run(links())["names"]
-    finally:
-        helper.close()
+    ("the netlink helper died" at an engine's start). A process of its own, whose fds
+    this test controls."""
+    run = subprocess.run([sys.executable, "-c", AT_THE_SLOT], capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == [str(netlink_msgs.NETNS_SLOT), "True"], run.stdout

@@ -11,6 +11,7 @@ these tests.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
 import json
@@ -864,3 +865,51 @@ def test_no_spoofing_of_another_address_or_mac(outside: Outside,
     # another MAC: nothing passes, not even from the sandbox's own address
     assert sb.exec("ip link set eth0 address 02:bb:00:00:00:99").exit_code == 0
     assert from_(sb.ip) != "connected"
+
+
+NEVER_ANSWERS = """
+import socket, threading
+server = socket.create_server(("0.0.0.0", 8100), backlog=512)
+held = []
+def hold():
+    while True:
+        held.append(server.accept()[0])  # reads nothing, answers nothing
+threading.Thread(target=hold, daemon=True).start()
+"""
+
+
+def test_a_sandbox_that_never_answers_holds_up_no_other_sandboxs_ports(
+        harness: Harness, make: Callable[..., Sandbox]) -> None:
+    """The proxy's connections to sandboxes came from one pool of 100: a sandbox that
+    accepts and never answers held them all with 120 requests, and a request to another
+    sandbox's server waited for a free one until its pool timeout (a 502)."""
+    from branchbox.sdk._portal import portal
+
+    stalling, answering = make(), make()
+    stalling.run_code(NEVER_ANSWERS)
+    answering.files.write("/srv/www/hello.txt", "hello\n")
+    answering.exec("cd /srv/www && python3 -m http.server --bind 0.0.0.0 8000 >/dev/null 2>&1",
+                   background=True)
+    assert _wait_ok(answering, "127.0.0.1", 8000)
+
+    def held() -> int:
+        return int(stalling.run_code("print(len(held))").stdout)
+
+    async def scenario() -> httpx.Response:
+        async with httpx.AsyncClient(transport=harness.transport(), base_url="http://bb",
+                                     timeout=60) as client:
+            stuck = [asyncio.create_task(client.get(f"/v1/sandboxes/{stalling.id}/ports/8100/"))
+                     for _ in range(120)]
+            try:
+                deadline = time.monotonic() + 60
+                while await asyncio.to_thread(held) < 120:
+                    assert time.monotonic() < deadline, "the proxy never opened 120 connections"
+                    await asyncio.sleep(0.2)
+                return await client.get(f"/v1/sandboxes/{answering.id}/ports/8000/hello.txt")
+            finally:
+                for task in stuck:
+                    task.cancel()
+                await asyncio.gather(*stuck, return_exceptions=True)
+
+    reply = portal.run(scenario())
+    assert reply.status_code == 200 and reply.text == "hello\n", reply.text

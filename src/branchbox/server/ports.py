@@ -47,6 +47,10 @@ _PAGE_POLICY = (b"sandbox allow-scripts allow-forms allow-popups allow-modals "
                 b"allow-downloads")
 WS_MAX_MESSAGE = 16 << 20  # one message from the sandbox, held whole by the relay
 _TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=60.0, pool=10.0)
+# No cap on connections: every proxied request holds one for as long as the sandbox takes
+# to answer (for ever, if it likes), and under a shared cap one sandbox that never
+# answers left every other sandbox's proxied requests waiting for a free connection.
+_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=64)
 
 
 class PortUnreachable(errors.EngineError):
@@ -69,7 +73,8 @@ def _client(request: Request) -> httpx.AsyncClient:
     """One pooled client per app (no environment proxies: the bridge is local)."""
     client = getattr(request.app.state, "port_client", None)
     if client is None:
-        client = httpx.AsyncClient(timeout=_TIMEOUT, trust_env=False, follow_redirects=False)
+        client = httpx.AsyncClient(timeout=_TIMEOUT, limits=_LIMITS, trust_env=False,
+                                   follow_redirects=False)
         request.app.state.port_client = client
     return client
 
