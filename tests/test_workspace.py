@@ -100,3 +100,25 @@ def test_abort_is_free_and_bad_workspaces_are_refused(harness, repo) -> None:
             harness.sandbox(workspace=bad)
     with harness.sandbox() as plain, pytest.raises(InvalidRequest, match="no workspace"):
         plain.commit()
+
+
+def test_diff_shows_what_each_branch_changed_in_the_workspace(harness, workspace: Path) -> None:
+    """Two branches of one workspace differ in its files: the workspace is a mount of its
+    own, so a diff of the root's layers saw nothing there (every answer was empty)."""
+    (workspace / "kept.txt").write_text("kept\n")
+    (workspace / "gone.txt").write_text("gone\n")
+    (workspace / "sub").mkdir()
+    (workspace / "sub" / "edited.txt").write_text("before\n")
+    ws = str(workspace)
+    with harness.sandbox(workspace=ws) as sb:
+        (kid,) = sb.fork(1)
+        kid.run_code(f"import os\nos.remove({ws + '/gone.txt'!r})\n"
+                     f"open({ws + '/sub/edited.txt'!r}, 'w').write('after\\n')\n"
+                     f"open({ws + '/new.txt'!r}, 'w').write('new\\n')\n"
+                     "open('/root/elsewhere.txt', 'w').close()")
+        assert sb.diff(kid) == {"added": ["/root/elsewhere.txt", f"{ws}/new.txt"],
+                                "removed": [f"{ws}/gone.txt"],
+                                "modified": [f"{ws}/sub/edited.txt"]}
+        assert sb.diff(kid, paths=[f"{ws}/sub"]) == {
+            "added": [], "removed": [], "modified": [f"{ws}/sub/edited.txt"]}
+        assert kid.diff(sb, paths=["/"])["added"] == [f"{ws}/gone.txt"]

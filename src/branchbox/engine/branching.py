@@ -18,6 +18,7 @@ import signal
 import socket
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from branchbox.agent.protocol import ChannelClosed
@@ -518,21 +519,31 @@ class Branching:
     # ---------------------------------------------------------------------- diff
     async def diff(self, sandbox_id: str, other_id: str,
                    paths: list[str] | None = None) -> dict[str, list[str]]:
-        """Files added in ``other``, removed from it, and modified, read from the layers.
+        """Files added in ``other``, removed from it, and modified, read from the layers:
+        under ``paths`` (default: /root, /tmp and, when both branch one workspace, its
+        directory, diffed through the workspace's own layers over the host directory).
 
         Bounded (see storage.layerdiff): run on the diff executor, never the default one
         that close and fork use; a file not proven equal within the diff's byte and time
         budget is reported modified and listed under "unverified"; a tree too large to
         even list in time is a SandboxTimeout; a cancelled request stops the diff."""
         mine, other = self.get(sandbox_id), self.get(other_id)
-        paths = list(paths or DEFAULT_DIFF_PATHS)
+        workspace = _shared_workspace(mine.body.layers, other.body.layers)
+        paths = list(paths or (*DEFAULT_DIFF_PATHS, *([str(workspace)] if workspace else [])))
         for path in paths:
             if not isinstance(path, str) or not path.startswith("/") or "\0" in path \
                     or ".." in path.split("/"):
                 raise errors.InvalidRequest(f"diff paths must be absolute without '..': {path!r}")
+        in_root, in_workspace = _split_paths(paths, workspace)
+        diffs = []
         try:
-            return await layerdiff.diff_bounded(mine.body.layers.layer_dirs(),
-                                                other.body.layers.layer_dirs(), paths)
+            if in_root:
+                diffs.append(("", await layerdiff.diff_bounded(
+                    mine.body.layers.layer_dirs(), other.body.layers.layer_dirs(), in_root)))
+            if in_workspace:
+                diffs.append((str(workspace), await layerdiff.diff_bounded(
+                    [*mine.body.layers.workspace_dirs(), workspace],
+                    [*other.body.layers.workspace_dirs(), workspace], in_workspace)))
         except FileNotFoundError:  # a layer went away under the walk
             raise errors.Conflict("a sandbox was closed or merged while the diff was read; "
                                   "diff live sandboxes") from None
@@ -540,6 +551,37 @@ class Branching:
             raise errors.SandboxTimeout(f"diff failed: {exc}; pass narrower paths") from None
         except layerdiff.DiffBusy as exc:
             raise errors.Conflict(f"diff refused: {exc}") from None
+        merged: dict[str, list[str]] = {"added": [], "removed": [], "modified": []}
+        for mount, found in diffs:
+            for key, listed in found.items():
+                merged.setdefault(key, []).extend(mount + path for path in listed)
+        return {key: sorted(listed) for key, listed in merged.items()}
+
+
+def _shared_workspace(mine: LayerStack, other: LayerStack) -> Path | None:
+    """The host directory both sandboxes branch as their workspace, if they do."""
+    if mine.workspace is None or other.workspace is None:
+        return None
+    host = mine.workspace.lower.host
+    return host if host == other.workspace.lower.host else None
+
+
+def _split_paths(paths: list[str], workspace: Path | None) -> tuple[list[str], list[str]]:
+    """``paths`` to diff in the root's layers, and those (relative to the workspace's
+    directory) to diff in the workspace's: a path above the directory is in both."""
+    if workspace is None:
+        return paths, []
+    mount = str(workspace).rstrip("/")
+    in_root, in_workspace = [], []
+    for path in paths:
+        path = "/" + path.strip("/")
+        if path == mount or path.startswith(mount + "/"):
+            in_workspace.append(path[len(mount):] or "/")
+            continue
+        in_root.append(path)
+        if path == "/" or mount.startswith(path + "/"):
+            in_workspace.append("/")
+    return in_root, in_workspace
 
 
 class _Forked:
