@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import math
+import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -134,6 +136,37 @@ def test_diff_past_its_time_budget_fails_with_a_clear_error(make, monkeypatch) -
         a.diff(b)
     a.close()
     b.close()
+
+
+class _CountedBudget(layerdiff.Budget):
+    """A budget whose clock is its own checks: out after ``checks`` of them."""
+
+    def __init__(self, checks: int) -> None:
+        super().__init__()
+        self.checks = checks
+
+    def expired(self) -> bool:
+        self.checks -= 1
+        return self.checks < 0
+
+
+def test_resolving_a_removed_subtree_counts_against_the_listing_deadline(
+        tmp_path: Path) -> None:
+    """A sandbox that removed a directory of 300,000 files: the 300,000 paths it hid were
+    listed within the deadline, then each resolved through every layer with no look at
+    the clock (a diff refused at 10 s took 30 s more). 40 files, listed (and resolved)
+    from both sides: the listing takes 81 checks, the resolving must run out by 100."""
+    shared = tmp_path / "shared" / "root" / "wide"
+    shared.mkdir(parents=True)
+    for i in range(40):
+        (shared / f"f{i}").touch()
+    for name in ("mine", "other"):
+        (tmp_path / name / "root").mkdir(parents=True)
+    os.mknod(tmp_path / "other" / "root" / "wide", stat.S_IFCHR | 0o600, 0)  # a whiteout
+    layers = ([tmp_path / "mine", tmp_path / "shared"], [tmp_path / "other", tmp_path / "shared"])
+    assert len(layerdiff.diff_layers(*layers, ["/root"], _CountedBudget(10_000))["removed"]) == 40
+    with pytest.raises(layerdiff.DiffTooLarge):
+        layerdiff.diff_layers(*layers, ["/root"], _CountedBudget(100))
 
 
 def test_a_cancelled_diff_stops(tmp_path: Path) -> None:
