@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import builtins
+import os
 from collections.abc import AsyncIterator
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING
+from urllib.parse import quote
 
 if TYPE_CHECKING:
     from branchbox.sdk._async import AsyncSandbox
@@ -19,8 +21,13 @@ class AsyncFiles:
     def __init__(self, sandbox: AsyncSandbox) -> None:
         self._sandbox = sandbox
 
-    def _url(self, suffix: str = "") -> str:
-        return self._sandbox._url(f"/files{suffix}")
+    def _url(self, path: str, suffix: str = "", **more: str) -> str:
+        """The URL of a call on ``path``, which goes as its bytes, percent-encoded: a name
+        that is not UTF-8, as a listing gives it (``os.fsdecode``), names the same file
+        (httpx would refuse to encode it)."""
+        given = [("path", os.fsencode(path)), *((k, v.encode()) for k, v in more.items())]
+        query = "&".join(f"{key}={quote(value, safe='/')}" for key, value in given)
+        return self._sandbox._url(f"/files{suffix}?{query}")
 
     async def read(self, path: str) -> bytes:
         """The whole file (use ``read_stream`` for files too large to hold in memory)."""
@@ -28,7 +35,7 @@ class AsyncFiles:
 
     async def read_stream(self, path: str) -> AsyncIterator[bytes]:
         """The file's contents in chunks, as they arrive."""
-        async with self._sandbox._api.stream("GET", self._url(), params={"path": path}) as reply:
+        async with self._sandbox._api.stream("GET", self._url(path)) as reply:
             async for chunk in reply.aiter_bytes():
                 yield chunk
 
@@ -39,28 +46,25 @@ class AsyncFiles:
         reading, which is sent in chunks without being read whole. ``mode`` sets the
         permission bits (e.g. ``0o755``).
         """
-        params: dict[str, Any] = {"path": path}
-        if mode is not None:
-            params["mode"] = format(mode, "o")
-        await self._sandbox._api.call("PUT", self._url(), params=params, content=_content(data))
+        more = {} if mode is None else {"mode": format(mode, "o")}
+        await self._sandbox._api.call("PUT", self._url(path, **more), content=_content(data))
 
     async def list(self, path: str) -> builtins.list[dict]:
         """The entries of a directory."""
-        reply = await self._sandbox._api.call("GET", self._url("/list"), params={"path": path})
+        reply = await self._sandbox._api.call("GET", self._url(path, "/list"))
         return reply["entries"]
 
     async def exists(self, path: str) -> bool:
-        reply = await self._sandbox._api.call("GET", self._url("/exists"), params={"path": path})
+        reply = await self._sandbox._api.call("GET", self._url(path, "/exists"))
         return bool(reply["exists"])
 
     async def stat(self, path: str) -> dict:
         """Type, size, mode and times; raises ``FileNotFound`` if there is nothing there."""
-        return await self._sandbox._api.call("GET", self._url("/stat"), params={"path": path})
+        return await self._sandbox._api.call("GET", self._url(path, "/stat"))
 
     async def remove(self, path: str, recursive: bool = False) -> None:
         """Delete a file, or a directory (non-empty ones need ``recursive=True``)."""
-        params = {"path": path, "recursive": str(recursive).lower()}
-        await self._sandbox._api.call("DELETE", self._url(), params=params)
+        await self._sandbox._api.call("DELETE", self._url(path, recursive=str(recursive).lower()))
 
 
 def _content(data: Data) -> bytes | AsyncIterator[bytes]:

@@ -8,28 +8,49 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from typing import Annotated
+from urllib.parse import parse_qs
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 
 from branchbox.engine import errors
 from branchbox.server.deps import NO_CONTENT, EngineDep
-from branchbox.server.models import SandboxPath
+from branchbox.server.models import SandboxPath, check_sandbox_path
 from branchbox.server.streams import bytes_response, opened
 
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}/files", tags=["files"])
-PathQuery = Annotated[SandboxPath, Query(description="absolute path inside the sandbox")]
+PathQuery = Annotated[SandboxPath, Query(description=(
+    "absolute path inside the sandbox; a name that is not UTF-8 as its bytes, "
+    "percent-encoded"))]
+
+
+def _sandbox_path(request: Request, path: PathQuery) -> str:
+    """``path`` as the bytes the client sent. A name that is not UTF-8 (any bytes but NUL
+    and '/' are a name) comes percent-encoded, as the SDK sends the names a listing
+    gives, and is read as ``os.fsdecode`` would: the query parser put U+FFFD for its
+    bytes, which names another file."""
+    query = request.scope["query_string"].decode("utf-8", "surrogateescape")
+    sent = parse_qs(query, keep_blank_values=True, errors="surrogateescape").get("path")
+    if not sent or sent[-1] == path:
+        return path
+    try:
+        return check_sandbox_path(sent[-1])
+    except ValueError as exc:
+        raise errors.InvalidRequest(f"path: {exc}") from None
+
+
+RawPath = Annotated[str, Depends(_sandbox_path)]
 ModeQuery = Annotated[str | None, Query(pattern="^[0-7]{3,4}$",
                                         description="permission bits in octal, e.g. 755")]
 
 
 @router.get("")
-async def read_file(sandbox_id: str, path: PathQuery, engine: EngineDep) -> Response:
+async def read_file(sandbox_id: str, path: RawPath, engine: EngineDep) -> Response:
     """The file's bytes, streamed (404 ``FileNotFound`` if it does not exist)."""
     return bytes_response(await opened(engine.stream(sandbox_id, "read", {"path": path})))
 
 
 @router.put("")
-async def write_file(sandbox_id: str, path: PathQuery, request: Request, engine: EngineDep,
+async def write_file(sandbox_id: str, path: RawPath, request: Request, engine: EngineDep,
                      mode: ModeQuery = None) -> dict:
     """Store the request body at ``path`` (parent directories are created): ``{"size"}``."""
     limit: int = request.app.state.max_upload
@@ -56,24 +77,24 @@ def _too_large(limit: int) -> errors.PayloadTooLarge:
 
 
 @router.delete("", **NO_CONTENT)
-async def remove_file(sandbox_id: str, path: PathQuery, engine: EngineDep,
+async def remove_file(sandbox_id: str, path: RawPath, engine: EngineDep,
                       recursive: bool = False) -> None:
     await engine.call(sandbox_id, "remove", {"path": path, "recursive": recursive})
 
 
 @router.get("/list")
-async def list_directory(sandbox_id: str, path: PathQuery, engine: EngineDep) -> dict:
+async def list_directory(sandbox_id: str, path: RawPath, engine: EngineDep) -> dict:
     """``{"entries": [...]}`` of a directory."""
     return await engine.call(sandbox_id, "list", {"path": path})
 
 
 @router.get("/stat")
-async def stat_file(sandbox_id: str, path: PathQuery, engine: EngineDep) -> dict:
+async def stat_file(sandbox_id: str, path: RawPath, engine: EngineDep) -> dict:
     """Type, size, mode and times of ``path`` (404 ``FileNotFound`` if it does not exist)."""
     return await engine.call(sandbox_id, "stat", {"path": path})
 
 
 @router.get("/exists")
-async def file_exists(sandbox_id: str, path: PathQuery, engine: EngineDep) -> dict:
+async def file_exists(sandbox_id: str, path: RawPath, engine: EngineDep) -> dict:
     """``{"exists": bool}``."""
     return await engine.call(sandbox_id, "exists", {"path": path})
