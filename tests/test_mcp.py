@@ -193,7 +193,8 @@ async def fork_diff_merge_commit(client: Client, ws: Path) -> dict[str, Any]:
     assert facts(ran_c)["text"] == "82"  # the REPL's memory came along
 
     changes = facts(await call(client, "diff", sandbox_id=a, other_id=b))
-    assert (changes["added"], changes["removed"]) == (["/root/b.txt"], ["/root/a.txt"])
+    assert (changes["added"], changes["removed"]) == (
+        ["/root/b.txt", f"{ws}/from_b.txt"], ["/root/a.txt", f"{ws}/base.txt", f"{ws}/from_a.txt"])
 
     await call(client, "merge_into", sandbox_id=parent, winner_id=b)
     listing = facts(await call(client, "list_files", sandbox_id=parent, path=str(ws)))

@@ -881,9 +881,11 @@ threading.Thread(target=hold, daemon=True).start()
 def test_a_sandbox_that_never_answers_holds_up_no_other_sandboxs_ports(
         harness: Harness, make: Callable[..., Sandbox]) -> None:
     """The proxy's connections to sandboxes came from one pool of 100: a sandbox that
-    accepts and never answers held them all with 120 requests, and a request to another
-    sandbox's server waited for a free one until its pool timeout (a 502)."""
+    accepts and never answers held them all, and a request to another sandbox's server
+    waited for a free one until its pool timeout (a 502). Now each sandbox has a cap of
+    its own: past it, requests to that sandbox are refused at once (429)."""
     from branchbox.sdk._portal import portal
+    from branchbox.server.ports import PROXIED_PER_SANDBOX
 
     stalling, answering = make(), make()
     stalling.run_code(NEVER_ANSWERS)
@@ -895,21 +897,24 @@ def test_a_sandbox_that_never_answers_holds_up_no_other_sandboxs_ports(
     def held() -> int:
         return int(stalling.run_code("print(len(held))").stdout)
 
-    async def scenario() -> httpx.Response:
+    async def scenario() -> tuple[list[int], httpx.Response]:
         async with httpx.AsyncClient(transport=harness.transport(), base_url="http://bb",
                                      timeout=60) as client:
             stuck = [asyncio.create_task(client.get(f"/v1/sandboxes/{stalling.id}/ports/8100/"))
-                     for _ in range(120)]
+                     for _ in range(PROXIED_PER_SANDBOX + 4)]
             try:
                 deadline = time.monotonic() + 60
-                while await asyncio.to_thread(held) < 120:
-                    assert time.monotonic() < deadline, "the proxy never opened 120 connections"
+                while await asyncio.to_thread(held) < PROXIED_PER_SANDBOX:
+                    assert time.monotonic() < deadline, "the proxy never opened its share"
                     await asyncio.sleep(0.2)
-                return await client.get(f"/v1/sandboxes/{answering.id}/ports/8000/hello.txt")
+                refused = [task.result().status_code for task in stuck if task.done()]
+                other = await client.get(f"/v1/sandboxes/{answering.id}/ports/8000/hello.txt")
+                return refused, other
             finally:
                 for task in stuck:
                     task.cancel()
                 await asyncio.gather(*stuck, return_exceptions=True)
 
-    reply = portal.run(scenario())
-    assert reply.status_code == 200 and reply.text == "hello\n", reply.text
+    refused, other = portal.run(scenario())
+    assert refused == [429] * 4, refused
+    assert other.status_code == 200 and other.text == "hello\n", other.text

@@ -5,7 +5,9 @@ An unexpected exception must come back as a JSON 500 and leave the client's kept
 connection usable: Starlette's own last-resort handler re-raised it for the log, and
 uvicorn then closed the connection under the client's next call (ReadError). A name
 that is not UTF-8 reaches the daemon as a str with lone surrogates, which UTF-8 cannot
-encode: diff, listings and commits of one answered 500, the commit already made.
+encode: diff, listings and commits of one answered 500, the commit already made, and
+the files API could not name one (the SDK refused to encode it, the server's query
+parser replaced its bytes).
 """
 
 from __future__ import annotations
@@ -90,6 +92,15 @@ def test_names_that_are_not_utf8_come_back_from_diff_listing_and_commit(
         kid.run_code(make)
         assert f"/root/{name}" in sb.diff(kid)["added"]
         assert name in [entry["name"] for entry in kid.files.list("/root")]
+        listed = f"/root/{name}"  # the files API takes the name it gave (its bytes)
+        kid.files.write(listed, b"written")
+        assert kid.files.read(listed) == b"written" and kid.files.exists(listed)
+        assert kid.files.stat(listed)["size"] == 7
+        assert kid.run_code(f"print(open({os.fsencode(listed)!r}).read())").stdout == "written\n"
+        kid.files.write(listed + "2", b"")
+        kid.files.remove(listed + "2")
+        assert not kid.files.exists(listed + "2")
+        assert not kid.files.exists("/root/bad\ufffd\ufffdname")  # not the same file
         sb.merge_into(kid)
         assert sb.commit()["changed"] == [name]
         assert os.listdir(os.fsencode(workspace)) == [raw]

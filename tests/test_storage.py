@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from branchbox.agent import sysc
-from branchbox.storage import btrfs, images, loopback
+from branchbox.storage import btrfs, copyfs, images, loopback
 from branchbox.storage import ioctl as storage_ioctl
 from branchbox.storage.backend import (
     BackendUnavailable,
@@ -253,6 +253,42 @@ def test_trees_deeper_than_a_stack_and_path_max_are_copied_squashed_and_deleted(
         assert run.stdout.splitlines() == ["['new'] ['new', 'old']", "[]"], run.stdout
     finally:
         store.backend.delete(root)
+
+
+def test_copy_links_linked_files_again_and_refuses_those_too_deep_to_name(
+        tmp_path: Path) -> None:
+    """A file linked twice is copied once and linked again; below PATH_MAX of path it
+    cannot be linked by name, and copying it once per link would let a sandbox turn one
+    large file into thousands: the copy is refused (ENAMETOOLONG) instead."""
+    for depth, refused in ((3, False), (3000, True)):
+        src, dst = tmp_path / f"src{depth}", tmp_path / f"dst{depth}"
+        src.mkdir()
+        dst.mkdir()
+        fd = os.open(src, os.O_DIRECTORY)
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            sub = os.open("d", os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = sub
+        with open(os.open("one", os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=fd), "wb") as f:
+            f.write(b"x" * 4096)
+        os.link("one", "two", src_dir_fd=fd, dst_dir_fd=fd)
+        os.close(fd)
+        src_fd, dst_fd = os.open(src, os.O_DIRECTORY), os.open(dst, os.O_DIRECTORY)
+        try:
+            if refused:
+                with pytest.raises(OSError) as exc:
+                    copyfs.copy_tree(src_fd, dst_fd)
+                assert exc.value.errno == errno.ENAMETOOLONG
+            else:
+                copyfs.copy_tree(src_fd, dst_fd)
+                one, two = (dst.joinpath(*["d"] * depth, n).stat() for n in ("one", "two"))
+                assert (one.st_ino, one.st_nlink) == (two.st_ino, 2)
+        finally:
+            os.close(src_fd)
+            os.close(dst_fd)
+        remove_tree(src)
+        remove_tree(dst)
 
 
 def test_delete_missing_path_is_not_an_error(store: Store) -> None:

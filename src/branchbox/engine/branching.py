@@ -14,6 +14,7 @@ import functools
 import inspect
 import logging
 import os
+import posixpath
 import signal
 import socket
 import time
@@ -536,14 +537,16 @@ class Branching:
                 raise errors.InvalidRequest(f"diff paths must be absolute without '..': {path!r}")
         in_root, in_workspace = _split_paths(paths, workspace)
         diffs = []
+        budget = layerdiff.Budget()  # one for both parts
         try:
             if in_root:
                 diffs.append(("", await layerdiff.diff_bounded(
-                    mine.body.layers.layer_dirs(), other.body.layers.layer_dirs(), in_root)))
+                    mine.body.layers.layer_dirs(), other.body.layers.layer_dirs(), in_root,
+                    budget)))
             if in_workspace:
                 diffs.append((str(workspace), await layerdiff.diff_bounded(
                     [*mine.body.layers.workspace_dirs(), workspace],
-                    [*other.body.layers.workspace_dirs(), workspace], in_workspace)))
+                    [*other.body.layers.workspace_dirs(), workspace], in_workspace, budget)))
         except FileNotFoundError:  # a layer went away under the walk
             raise errors.Conflict("a sandbox was closed or merged while the diff was read; "
                                   "diff live sandboxes") from None
@@ -571,17 +574,18 @@ def _split_paths(paths: list[str], workspace: Path | None) -> tuple[list[str], l
     directory) to diff in the workspace's: a path above the directory is in both."""
     if workspace is None:
         return paths, []
-    mount = str(workspace).rstrip("/")
-    in_root, in_workspace = [], []
-    for path in paths:
-        path = "/" + path.strip("/")
+    mount = posixpath.normpath(str(workspace))
+    in_root: dict[str, None] = {}  # ordered sets
+    in_workspace: dict[str, None] = {}
+    for path in map(posixpath.normpath, paths):
+        path = "/" + path.lstrip("/")  # normpath keeps a leading "//"
         if path == mount or path.startswith(mount + "/"):
-            in_workspace.append(path[len(mount):] or "/")
+            in_workspace[path[len(mount):] or "/"] = None
             continue
-        in_root.append(path)
+        in_root[path] = None
         if path == "/" or mount.startswith(path + "/"):
-            in_workspace.append("/")
-    return in_root, in_workspace
+            in_workspace["/"] = None
+    return list(in_root), list(in_workspace)
 
 
 class _Forked:

@@ -72,7 +72,6 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] = (),
     app.state.api_keys = frozenset(api_keys)
     app.state.max_upload = max_upload
     app.state.events = EventLog()
-    install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=MAX_JSON_BODY)
     app.add_middleware(DisconnectWatch)  # calls of clients that hung up never run
     app.state.stop_signal = StopSignal()  # serve() begins it at SIGTERM / SIGINT
@@ -95,4 +94,5 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] = (),
     app.include_router(e2b_envd.router)
     app.include_router(e2b_interpreter.router)
     app.add_middleware(SandboxPorts)  # E2B-addressed requests for a sandbox's own ports
+    install_error_handlers(app)  # last: its middleware is the outermost
     return app

@@ -48,7 +48,8 @@ def error_response(status: int, message: str, kind: str) -> JSONResponse:
 
 
 class InternalErrors:
-    """The JSON 500 of an unexpected exception, logged here. Starlette's outermost handler
+    """The JSON answer of an exception no handler took (a 500, logged here; an OSError
+    ENAMETOOLONG from walking a sandbox's deep tree is a 422). Starlette's outermost handler
     answers it too but re-raises it for the log, and uvicorn then closes the connection:
     the client's next call on that kept-alive connection failed as well (ReadError)."""
 
@@ -71,8 +72,10 @@ class InternalErrors:
         except Exception as exc:
             if started:  # half an answer out: only closing the connection ends it
                 raise
-            log.exception("%s %s failed", scope["method"], scope["path"])
-            await error_response(*describe(exc))(scope, receive, send)
+            status, message, kind = describe(exc)
+            if status == 500:  # a 4xx (a path too long to name) is the sandbox's doing
+                log.exception("%s %s failed", scope["method"], scope["path"])
+            await error_response(status, message, kind)(scope, receive, send)
 
 
 def validation_message(exc: RequestValidationError) -> str:
@@ -120,16 +123,8 @@ def install_error_handlers(app: FastAPI) -> None:
                        "(is the server older than the client?)")
         return error_response(exc.status_code, message, kind)
 
-    async def os_error(_: Request, exc: Exception) -> JSONResponse:
-        """A path too long to name is the sandbox's doing: a 422 like an engine error."""
-        assert isinstance(exc, OSError)
-        if exc.errno != errno.ENAMETOOLONG:
-            raise exc
-        return error_response(*describe(exc))
-
     app.add_exception_handler(errors.EngineError, engine_error)
-    app.add_exception_handler(OSError, os_error)
-    app.add_middleware(InternalErrors)
+    app.add_middleware(InternalErrors)  # outermost when installed last
     app.add_exception_handler(RequestValidationError, bad_request)
     app.add_exception_handler(HTTPException, http_error)
     # Exception handlers for Exception itself run in Starlette's outermost middleware: the

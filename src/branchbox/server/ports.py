@@ -21,6 +21,9 @@ a WebSocket message larger than ``WS_MAX_MESSAGE`` closes the relay (1009).
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import AsyncIterator, Callable
+
 import httpx
 import websockets
 from fastapi import APIRouter, Request, WebSocket
@@ -47,10 +50,12 @@ _PAGE_POLICY = (b"sandbox allow-scripts allow-forms allow-popups allow-modals "
                 b"allow-downloads")
 WS_MAX_MESSAGE = 16 << 20  # one message from the sandbox, held whole by the relay
 _TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=60.0, pool=10.0)
-# No cap on connections: every proxied request holds one for as long as the sandbox takes
-# to answer (for ever, if it likes), and under a shared cap one sandbox that never
-# answers left every other sandbox's proxied requests waiting for a free connection.
+# No shared cap on connections: every proxied request holds one for as long as the
+# sandbox takes to answer (for ever, if it likes), and under a shared cap one sandbox that
+# never answers left every other sandbox's proxied requests waiting for a free one. Each
+# sandbox has a cap of its own instead (beyond it: 429).
 _LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+PROXIED_PER_SANDBOX = 256
 
 
 class PortUnreachable(errors.EngineError):
@@ -87,6 +92,17 @@ async def proxy_http(sandbox_id: str, port: int, request: Request, engine: Engin
     url = f"http://{_target(engine, sandbox_id, port)}/{path}"
     headers = _forwarded(request.headers.items())
     client = _client(request)
+    release = _admit(request, sandbox_id)
+    try:
+        return await _proxied(client, request, url, headers, port, release)
+    except BaseException:
+        release()
+        raise
+
+
+async def _proxied(client: httpx.AsyncClient, request: Request, url: str,
+                   headers: list[tuple[str, str]], port: int,
+                   release: Callable[[], None]) -> StreamingResponse:
     # A body only when the request has one: an empty chunked body on a GET is bytes a
     # simple server never reads, and closing with unread bytes resets the connection.
     has_body = "content-length" in request.headers or "transfer-encoding" in request.headers
@@ -98,10 +114,44 @@ async def proxy_http(sandbox_id: str, port: int, request: Request, engine: Engin
     except httpx.TransportError as exc:
         raise PortUnreachable(f"nothing answers on port {port} in the sandbox: "
                               f"{type(exc).__name__}") from None
-    response = StreamingResponse(reply.aiter_raw(), status_code=reply.status_code,
-                                 background=BackgroundTask(reply.aclose))
+    weakref.finalize(reply, release)  # whatever happens to the answer below
+
+    async def done() -> None:
+        release()
+        await reply.aclose()
+
+    async def body() -> AsyncIterator[bytes]:
+        """The sandbox's body; its connection ends with it, also when our client leaves
+        mid-way (Starlette then skips the background task)."""
+        try:
+            async for chunk in reply.aiter_raw():
+                yield chunk
+        finally:
+            await done()
+
+    response = StreamingResponse(body(), status_code=reply.status_code,
+                                 background=BackgroundTask(done))
     response.raw_headers = _returned(reply.headers.raw)
     return response
+
+
+def _admit(request: Request, sandbox_id: str) -> Callable[[], None]:
+    """Count a proxied request to ``sandbox_id`` (429 past its cap); the release."""
+    counts: dict[str, int] = request.app.state.__dict__.setdefault("port_requests", {})
+    if counts.get(sandbox_id, 0) >= PROXIED_PER_SANDBOX:
+        raise errors.ResourceLimit(f"{PROXIED_PER_SANDBOX} proxied requests to this sandbox "
+                                   "are in progress already; retry once some finish")
+    counts[sandbox_id] = counts.get(sandbox_id, 0) + 1
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            counts[sandbox_id] -= 1
+            if not counts[sandbox_id]:
+                del counts[sandbox_id]
+    return release
 
 
 def _forwarded(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:

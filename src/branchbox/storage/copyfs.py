@@ -53,6 +53,7 @@ _FICLONE = 0x40049409
 _NO_CLONE = (errno.EXDEV, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOTTY, errno.ENOSYS)
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _CHUNK = 16 << 20
+PATH_MAX = 4096  # bytes of a path the kernel takes, its NUL included
 
 
 class CopyBackend:
@@ -116,10 +117,13 @@ class Cursor:
     def up(self) -> None:
         """Back to the directory the last ``down`` came from."""
         parent = os.open("..", _DIR, dir_fd=self.fd)
-        st = os.fstat(parent)
-        if (st.st_dev, st.st_ino) != self._back[-1]:
+        try:
+            st = os.fstat(parent)
+            if (st.st_dev, st.st_ino) != self._back[-1]:
+                raise OSError(errno.ESTALE, "a directory moved while it was walked")
+        except BaseException:
             os.close(parent)
-            raise OSError(errno.ESTALE, "a directory moved while it was walked")
+            raise
         os.close(self.fd)
         self.fd = parent
         self._back.pop()
@@ -134,8 +138,8 @@ def walk(top_fd: int) -> Iterator[tuple[int, str, os.stat_result]]:
     are given but not entered; one fd however deep (``Cursor``)."""
     dev = os.fstat(top_fd).st_dev
     at = Cursor(os.dup(top_fd))
-    frames = [listing(at.fd)]  # each: a directory's entries still to give
     try:
+        frames = [listing(at.fd)]  # each: a directory's entries still to give
         while frames:
             if not frames[-1]:
                 frames.pop()
@@ -162,18 +166,27 @@ def copy_tree(src_fd: int, dst_fd: int, keep_xattr: Callable[[str], bool] = ever
     (its own metadata too), copying the extended attributes ``keep_xattr`` accepts.
 
     Iterative and fd-relative (two fds however deep the tree, no path longer than
-    PATH_MAX), and directory metadata is applied after the directory's entries, so its
-    times and a read-only mode stick.
+    PATH_MAX, memory for one name per level), and directory metadata is applied after
+    the directory's entries, so its times and a read-only mode stick. A file linked more
+    than once is copied once and linked again; one too deep to be named for that is
+    refused (ENAMETOOLONG) rather than copied once per link.
     """
     dev = os.fstat(src_fd).st_dev
-    # (dev, ino) of a multiply linked file -> its first copy, relative to dst_fd
-    links: dict[tuple[int, int], str] = {}
-    src, dst = Cursor(os.dup(src_fd)), Cursor(os.dup(dst_fd))
-    # Each frame: a directory's entries still to copy, and its path relative to dst_fd.
-    frames = [(listing(src.fd), "")]
+    # (dev, ino) of a multiply linked file -> its first copy relative to dst_fd (None:
+    # too deep to name)
+    links: dict[tuple[int, int], str | None] = {}
+    src = Cursor(os.dup(src_fd))
     try:
+        dst = Cursor(os.dup(dst_fd))
+    except BaseException:
+        src.close()
+        raise
+    try:
+        # Each frame: a directory's entries still to copy, its name, and the length of
+        # its path relative to dst_fd in bytes.
+        frames = [(listing(src.fd), "", 0)]
         while frames:
-            todo, dpath = frames[-1]
+            todo, _, length = frames[-1]
             if not todo:
                 dir_metadata(src.fd, dst.fd, keep_xattr)
                 frames.pop()
@@ -182,23 +195,33 @@ def copy_tree(src_fd: int, dst_fd: int, keep_xattr: Callable[[str], bool] = ever
                     dst.up()
                 continue
             name, st = todo.pop()
-            if not stat.S_ISDIR(st.st_mode):
-                copy_entry(src.fd, dst.fd, name, st, keep_xattr,
-                           links=links, root=dst_fd, dpath=dpath)
+            if stat.S_ISDIR(st.st_mode):
+                sub = os.open(name, _DIR, dir_fd=src.fd)  # ELOOP if swapped for a symlink
+                try:
+                    if os.fstat(sub).st_dev != dev:
+                        raise OSError(errno.EXDEV, "refusing to copy across a mount", name)
+                    os.mkdir(name, 0o700, dir_fd=dst.fd)
+                    dsub = os.open(name, _DIR, dir_fd=dst.fd)
+                except BaseException:
+                    os.close(sub)
+                    raise
+                src.down(sub)
+                dst.down(dsub)
+                frames.append((listing(src.fd), name, length + len(os.fsencode(name)) + 1))
                 continue
-            sub = os.open(name, _DIR, dir_fd=src.fd)  # ELOOP if swapped for a symlink
-            try:
-                if os.fstat(sub).st_dev != dev:
-                    raise OSError(errno.EXDEV, "refusing to copy across a mount",
-                                  f"{dpath}/{name}")
-                os.mkdir(name, 0o700, dir_fd=dst.fd)
-                dsub = os.open(name, _DIR, dir_fd=dst.fd)
-            except BaseException:
-                os.close(sub)
-                raise
-            src.down(sub)
-            dst.down(dsub)
-            frames.append((listing(src.fd), f"{dpath}/{name}".lstrip("/")))
+            key = (st.st_dev, st.st_ino)
+            if st.st_nlink > 1 and key in links:  # another name of a file already copied
+                first = links[key]
+                if first is None:
+                    raise OSError(errno.ENAMETOOLONG, "a file linked more than once lies "
+                                  "too deep to be linked again", name)
+                os.link(first, name, src_dir_fd=dst_fd, dst_dir_fd=dst.fd,
+                        follow_symlinks=False)
+                continue
+            copy_entry(src.fd, dst.fd, name, st, keep_xattr)
+            if st.st_nlink > 1:
+                deep = length + len(os.fsencode(name)) >= PATH_MAX - 1
+                links[key] = None if deep else "/".join([*(f[1] for f in frames[1:]), name])
     finally:
         src.close()
         dst.close()
@@ -214,25 +237,11 @@ def listing(dir_fd: int) -> list[tuple[str, os.stat_result]]:
 
 
 def copy_entry(sfd: int, dfd: int, name: str, st: os.stat_result,
-               keep_xattr: Callable[[str], bool] = every_xattr, *,
-               links: dict[tuple[int, int], str] | None = None, root: int = -1,
-               dpath: str = "") -> None:
+               keep_xattr: Callable[[str], bool] = every_xattr) -> None:
     """Copy the non-directory entry ``name`` (``st``: its lstat) of directory ``sfd``
     into ``dfd``, where nothing has that name: a file's data, a symlink as a symlink, a
-    whiteout, FIFO or socket made anew; a device node is left out. With ``links``, a
-    file linked more than once is copied once and linked again (``links`` holds first
-    copies' paths relative to the fd ``root``; ``dpath`` is ``dfd``'s)."""
+    whiteout, FIFO or socket made anew; a device node is left out."""
     mode = st.st_mode
-    key = (st.st_dev, st.st_ino)
-    linked = links is not None and st.st_nlink > 1
-    if linked and key in links:  # another name of a file already copied
-        try:
-            os.link(links[key], name, src_dir_fd=root, dst_dir_fd=dfd,
-                    follow_symlinks=False)
-            return
-        except OSError as exc:  # a first copy too deep to name: this one is a copy too
-            if exc.errno != errno.ENAMETOOLONG:
-                raise
     if stat.S_ISREG(mode):
         _copy_file(sfd, dfd, name, st)
     elif stat.S_ISLNK(mode):
@@ -246,8 +255,6 @@ def copy_entry(sfd: int, dfd: int, name: str, st: os.stat_result,
         os.chmod(name, stat.S_IMODE(mode), dir_fd=dfd)  # after chown, which clears set-id
     _xattrs(f"/proc/self/fd/{sfd}/{name}", f"/proc/self/fd/{dfd}/{name}", keep_xattr)
     os.utime(name, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=dfd, follow_symlinks=False)
-    if linked:
-        links[key] = f"{dpath}/{name}" if dpath else name
 
 
 def _copy_file(sfd: int, dfd: int, name: str, st: os.stat_result) -> None:
@@ -404,7 +411,9 @@ def remove_tree(
         os.unlink(top)
         return
     set_immutable(top, False)
-    parent = os.open(os.path.dirname(top) or ".", _DIR)
+    # The parent is the caller's path, followed as before (an image build removes
+    # usr/share/doc/<pkg>/... where <pkg> may be a symlink); below it nothing is.
+    parent = os.open(os.path.dirname(top) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         remove_entry(parent, os.path.basename(top), on_other_device)
     finally:

@@ -540,17 +540,18 @@ _executor = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="bb-diff
 _pending = 0
 
 
-async def diff_bounded(mine: list[Path], other: list[Path],
-                       paths: list[str]) -> dict[str, list[str]]:
-    """:func:`diff_layers` on the diff executor, with a fresh budget whose clock starts
-    now (time queued counts); cancelling the caller cancels the diff at its next check.
+async def diff_bounded(mine: list[Path], other: list[Path], paths: list[str],
+                       budget: Budget | None = None) -> dict[str, list[str]]:
+    """:func:`diff_layers` on the diff executor, with ``budget`` or a fresh one whose
+    clock starts now (time queued counts); cancelling the caller cancels the diff at its
+    next check.
 
     Raises DiffBusy when :data:`MAX_PENDING` diffs are already in flight.
     """
     global _pending
     if _pending >= MAX_PENDING:
         raise DiffBusy(f"{MAX_PENDING} diffs are already in progress; retry later")
-    budget = Budget()
+    budget = budget or Budget()
     _pending += 1
     try:
         future = asyncio.get_running_loop().run_in_executor(
