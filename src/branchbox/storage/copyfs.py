@@ -103,6 +103,17 @@ class Cursor:
         self.fd = fd
         self._back: list[tuple[int, int]] = []  # (st_dev, st_ino) of each level above
 
+    @classmethod
+    def pair(cls, src_fd: int, dst_fd: int) -> tuple[Cursor, Cursor]:
+        """Cursors at copies of ``src_fd`` and ``dst_fd`` (the first closed if the
+        second cannot be made): a walk of one tree beside another."""
+        src = cls(os.dup(src_fd))
+        try:
+            return src, cls(os.dup(dst_fd))
+        except BaseException:
+            src.close()
+            raise
+
     def down(self, sub: int) -> None:
         """Move to the subdirectory open at ``sub``, which the cursor owns from now on."""
         try:
@@ -175,12 +186,7 @@ def copy_tree(src_fd: int, dst_fd: int, keep_xattr: Callable[[str], bool] = ever
     # (dev, ino) of a multiply linked file -> its first copy relative to dst_fd (None:
     # too deep to name)
     links: dict[tuple[int, int], str | None] = {}
-    src = Cursor(os.dup(src_fd))
-    try:
-        dst = Cursor(os.dup(dst_fd))
-    except BaseException:
-        src.close()
-        raise
+    src, dst = Cursor.pair(src_fd, dst_fd)
     try:
         # Each frame: a directory's entries still to copy, its name, and the length of
         # its path relative to dst_fd in bytes.

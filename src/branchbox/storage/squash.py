@@ -50,12 +50,7 @@ def apply_layer(src_fd: int, dst_fd: int) -> None:
     at ``dst_fd``. Iterative and fd-relative: a sandbox's tree deeper than a Python
     stack or than PATH_MAX costs no more fds than a flat one (``copyfs.Cursor``), and
     no symlink is followed."""
-    src = Cursor(os.dup(src_fd))
-    try:
-        dst = Cursor(os.dup(dst_fd))
-    except BaseException:
-        src.close()
-        raise
+    src, dst = Cursor.pair(src_fd, dst_fd)
     try:
         frames = [listing(src.fd)]  # each: a merged directory's entries still to apply
         while frames:
