@@ -284,6 +284,34 @@ def test_an_exception_is_reported_without_agent_frames(agent: AgentProcess) -> N
     assert result["text"] is None
 
 
+def test_an_answer_too_large_for_one_frame_is_cut_and_the_repl_lives(
+        agent: AgentProcess) -> None:
+    """A cell's answer is one frame, and a frame past protocol.MAX_HEADER (64 MiB) ends
+    the control channel: an exception with a 200 MB message, or an object whose HTML
+    is 100 MB, cost the REPL and everything in it."""
+    agent.run("kept = 42")
+    _out, _err, result = agent.run("raise ValueError('x' * (200 << 20))")
+    error = result["error"]
+    assert error["name"] == "ValueError"
+    assert error["value"].endswith("[branchbox: message truncated]")
+    assert len(error["value"]) < 2 << 20 and len(error["traceback"]) < 2 << 20
+    assert error["traceback"].startswith("[branchbox: traceback truncated]")
+    _out, _err, result = agent.run(
+        "class Page:\n    def _repr_html_(self):\n        return '<b>' * (40 << 20)\nPage()")
+    assert "text/html" not in result["results"] and "text/plain" in result["results"]
+    assert any("text/html" in warning for warning in result["warnings"]), result["warnings"]
+    assert agent.run("print(kept)")[0] == "42\n"
+
+
+def test_bytes_written_to_stdout_buffer_are_output(agent: AgentProcess) -> None:
+    out, err, result = agent.run(
+        "import sys\nsys.stdout.buffer.write(b'caf\\xc3')\n"
+        "sys.stdout.buffer.write(b'\\xa9 \\xff\\n')\nsys.stderr.buffer.write(b'e\\n')\n"
+        "sys.stdout.buffer.flush()")
+    assert result["error"] is None, result["error"]
+    assert (out, err) == ("caf\u00e9 \ufffd\n", "e\n")
+
+
 def test_a_syntax_error_is_reported_and_nothing_runs(agent: AgentProcess) -> None:
     _out, _err, result = agent.run("z = 1\nx = (")
     assert result["error"]["name"] == "SyntaxError"

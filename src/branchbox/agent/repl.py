@@ -53,6 +53,9 @@ MAX_REPR = 1024 * 1024
 
 _FLUSH_SIZE = 64 * 1024  # buffered characters that make a writer send without a newline
 _PIECE = 1024 * 1024  # characters per stdout/stderr event, so no frame grows huge
+# JSON bytes of rich results and figures one answer carries: the answer is one frame, and
+# a frame past protocol.MAX_HEADER ends the control channel, and with it the REPL.
+MAX_RESULTS = 32 * 1024 * 1024
 _READ_SIZE = 64 * 1024
 _RICH = (
     ("_repr_png_", "image/png"),
@@ -112,6 +115,7 @@ class _Writer(io.TextIOBase):
         self._fd = fd
         self._parts: list[str] = []
         self._size = 0
+        self.buffer = _Bytes(self)
 
     def writable(self) -> bool:
         return True
@@ -150,6 +154,36 @@ class _Writer(io.TextIOBase):
         self.flush()
 
 
+class _Bytes(io.BufferedIOBase):
+    """``sys.stdout.buffer`` (and stderr's): bytes written become the call's output as
+    UTF-8 text, what is not UTF-8 as U+FFFD, a character split between two writes kept
+    whole. Code that writes bytes there (a CLI library, a binary-safe print) failed with
+    AttributeError."""
+
+    def __init__(self, text: _Writer) -> None:
+        super().__init__()
+        self._text = text
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._text.fileno()
+
+    def write(self, data: Any) -> int:
+        data = bytes(data)
+        self._text.write(self._decoder.decode(data))
+        return len(data)
+
+    def flush(self) -> None:
+        self._text.flush()
+
+    def close(self) -> None:
+        """Only flush, as the text writer does."""
+        self.flush()
+
+
 def _stdin() -> io.TextIOWrapper:
     """A ``sys.stdin`` whose close() (exit() and quit() call it) leaves fd 0 open: a freed
     fd 0 would be handed to the next file opened, and commands would read from that."""
@@ -176,6 +210,7 @@ class _Outcome:
         self.figures: list[dict[str, str]] = []
         self.error: dict[str, str] | None = None
         self.timed_out = False
+        self.left_out = ""  # what _fit dropped, said in the answer's warnings
 
 
 class Repl:
@@ -258,7 +293,7 @@ class Repl:
                 "truncated": call.limit.truncated,
                 "timed_out": outcome.timed_out,
                 "duration": time.monotonic() - started,
-                "warnings": [w for w in (take_fork_warning(),) if w],
+                "warnings": [w for w in (take_fork_warning(), outcome.left_out) if w],
             },
         )
 
@@ -365,6 +400,7 @@ class Repl:
             outcome.error = _error(failure, failure.__traceback__)
         if outcome.figures:
             outcome.results.setdefault("image/png", outcome.figures[0]["image/png"])
+        outcome.left_out = _fit(outcome)
         return outcome
 
     def _compile(self, code: str, filename: str) -> tuple[types.CodeType, types.CodeType | None]:
@@ -473,6 +509,42 @@ def _figures() -> list[dict[str, str]]:
     finally:
         pyplot.close("all")  # a figure that cannot be drawn must not fail every later call
     return figures
+
+
+def _fit(outcome: _Outcome) -> str:
+    """Make the answer one frame can carry: an error's value cut to :data:`MAX_REPR`
+    characters and its traceback to its last ones (a 200 MB message in an exception
+    made a frame the daemon refused, which cost the REPL), and rich results and figures
+    kept in order while they fit :data:`MAX_RESULTS`. What was left out, said."""
+    if outcome.error is not None:
+        value, trace = outcome.error["value"], outcome.error["traceback"]
+        if len(value) > MAX_REPR:
+            outcome.error["value"] = value[:MAX_REPR] + "\n[branchbox: message truncated]"
+        if len(trace) > MAX_REPR:
+            outcome.error["traceback"] = ("[branchbox: traceback truncated]\n"
+                                          + trace[-MAX_REPR:])
+    room = MAX_RESULTS
+    dropped = []
+    for mime, data in list(outcome.results.items()):
+        size = len(json.dumps(data))
+        if size > room:
+            del outcome.results[mime]
+            dropped.append(f"{mime} ({size / 2**20:.1f} MiB)")
+        else:
+            room -= size
+    kept = []
+    for figure in outcome.figures:
+        size = len(json.dumps(figure))
+        if size <= room:
+            kept.append(figure)
+            room -= size
+    if len(kept) < len(outcome.figures):
+        dropped.append(f"{len(outcome.figures) - len(kept)} figure(s)")
+        outcome.figures = kept
+    if not dropped:
+        return ""
+    return (f"left out of the answer, past its {MAX_RESULTS >> 20} MiB of results: "
+            + ", ".join(dropped))
 
 
 def _error(exc: BaseException, tb: types.TracebackType | None) -> dict[str, str]:
