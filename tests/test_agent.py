@@ -303,6 +303,29 @@ def test_an_answer_too_large_for_one_frame_is_cut_and_the_repl_lives(
     assert agent.run("print(kept)")[0] == "42\n"
 
 
+def test_any_answer_too_large_for_a_frame_is_a_typed_failure(tmp_path: Path) -> None:
+    """A listing of a directory of 700,000 files was a 77 MB answer: past the frame
+    limit, the daemon closed the channel and the REPL was gone. Every answer too large
+    is now a PayloadTooLarge failure and the agent goes on (here a limit of 1 MiB and a
+    directory of 20,000 files stand for the real ones)."""
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    for i in range(20_000):
+        (wide / f"f{i:07d}").touch()
+    small = ("from branchbox.agent import protocol\nprotocol.MAX_HEADER = 1 << 20\n"
+             + SCRIPT_AGENT)
+    process = AgentProcess(["-c", small])
+    try:
+        _events, final = process.collect(process.send("list", path=str(wide)))
+        assert final["ev"] == "fail" and final["error"]["type"] == "PayloadTooLarge", final
+        assert "MiB" in final["error"]["message"]
+        _events, final = process.collect(process.send("list", path=str(tmp_path)))
+        assert final["ev"] == "done" and [e["name"] for e in final["result"]["entries"]] == [
+            "wide"]
+    finally:
+        process.close()
+
+
 def test_bytes_written_to_stdout_buffer_are_output(agent: AgentProcess) -> None:
     out, err, result = agent.run(
         "import sys\nsys.stdout.buffer.write(b'caf\\xc3')\n"

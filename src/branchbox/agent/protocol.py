@@ -41,8 +41,15 @@ class ChannelClosed(EOFError):
     """The other end of the control channel went away."""
 
 
+class FrameTooLarge(ValueError):
+    """A frame its reader would refuse (and close the channel for); nothing was sent."""
+
+
 def encode(header: dict, payload: bytes = b"") -> bytes:
     head = json.dumps(header, separators=(",", ":")).encode()
+    if len(head) > MAX_HEADER:
+        raise FrameTooLarge(f"{len(head) / 2**20:.0f} MiB of JSON, more than the "
+                            f"{MAX_HEADER >> 20} MiB a frame may carry")
     return _HEAD.pack(len(head), len(payload)) + head + payload
 
 

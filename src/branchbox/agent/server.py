@@ -214,7 +214,13 @@ class Agent:
         self._send({"rid": rid, "ev": ev, **fields}, payload)
 
     def done(self, rid: int, result: dict) -> None:
-        self._send({"rid": rid, "ev": "done", "result": result})
+        """The final event of a request; an answer too large for one frame is a
+        PayloadTooLarge failure instead (the daemon closes a channel that sends one, and
+        the REPL with it: a listing of a directory of 700,000 files did)."""
+        try:
+            self._send({"rid": rid, "ev": "done", "result": result})
+        except protocol.FrameTooLarge as exc:
+            self.fail(rid, "PayloadTooLarge", f"the answer is {exc}")
 
     def fail(self, rid: int | None, type: str, message: str) -> None:
         """The final event of a failed request (rid None: the request had no usable rid)."""

@@ -121,4 +121,5 @@ AGENT_ERRORS: dict[str, type[EngineError]] = {
     "NoSpace": InsufficientStorage,
     "ResourceLimit": ResourceLimit,
     "Conflict": Conflict,
+    "PayloadTooLarge": PayloadTooLarge,
 }

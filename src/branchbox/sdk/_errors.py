@@ -89,7 +89,8 @@ class CommandNotFound(SandboxError):
 
 
 class PayloadTooLarge(SandboxError):
-    hint = "split the file, or raise the server's --max-upload-mb"
+    hint = ("send less at once (split the file, or raise the server's --max-upload-mb) "
+            "or ask for less (a listing of fewer entries: exec `ls` or os.scandir in code)")
 
 
 class ImageBuildFailed(SandboxError):
