@@ -326,6 +326,35 @@ def test_any_answer_too_large_for_a_frame_is_a_typed_failure(tmp_path: Path) -> 
         process.close()
 
 
+NO_THREAD_ONCE = """
+import _thread
+from branchbox.agent import capture
+capture._drain_library = lambda: None  # the Python drain thread, which is what fails
+_start, _failures = _thread.start_new_thread, [1]
+def _start_once_failing(func, args):
+    if _failures:
+        _failures.pop()
+        raise RuntimeError("can't start new thread")
+    return _start(func, args)
+_thread.start_new_thread = _start_once_failing
+"""
+
+
+def test_a_call_without_a_thread_for_its_output_is_a_resource_limit() -> None:
+    """At the sandbox's process limit (1,021 background commands), run_code answered
+    with the agent's traceback ("can't start new thread") and left fds 1 and 2 on pipes
+    nobody read. Now a ResourceLimit, and the next call's output is captured."""
+    process = AgentProcess(["-c", NO_THREAD_ONCE + SCRIPT_AGENT])
+    try:
+        _events, final = process.collect(process.send("run_code", code="print('lost')"))
+        assert final["ev"] == "fail" and final["error"]["type"] == "ResourceLimit", final
+        assert "process limit" in final["error"]["message"]
+        out, err, result = process.run("import os\nprint('seen')\nos.write(1, b'raw\\n')")
+        assert (out, result["error"]) == ("seen\nraw\n", None), (out, err, result)
+    finally:
+        process.close()
+
+
 def test_bytes_written_to_stdout_buffer_are_output(agent: AgentProcess) -> None:
     out, err, result = agent.run(
         "import sys\nsys.stdout.buffer.write(b'caf\\xc3')\n"

@@ -34,7 +34,7 @@ import os
 import select
 import sys
 
-from .server import Agent
+from .server import Agent, RequestError
 
 _libc_fflush = ctypes.CDLL(None).fflush
 _libc_fflush.argtypes = [ctypes.c_void_p]
@@ -127,7 +127,16 @@ class FdCapture:
             # and join handshakes cost ~90 us more, on every call.
             self._ended = _thread.allocate_lock()
             self._ended.acquire()
-            _thread.start_new_thread(self._drain, ())
+            try:
+                _thread.start_new_thread(self._drain, ())
+            except RuntimeError:  # no thread to be had: the sandbox's process limit
+                self._ended.release()  # nothing to join
+                self._pipes += _leftovers  # unwatched above: restore() watches them again
+                _leftovers.clear()
+                self.close()
+                raise RequestError("ResourceLimit", "the sandbox's process limit is reached: "
+                                   "no thread for the call's output (end some processes or "
+                                   "threads first)") from None
 
     def _start_native(self) -> _Drain | None:
         """bb-drain's thread on this call's pipes and the leftovers; None if it cannot
