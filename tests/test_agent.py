@@ -355,6 +355,23 @@ def test_a_call_without_a_thread_for_its_output_is_a_resource_limit() -> None:
         process.close()
 
 
+def test_a_repl_out_of_open_files_still_runs_the_code_that_closes_them(
+        agent: AgentProcess) -> None:
+    """User code that holds every fd its limit allows left the next call without the
+    pipes of its output capture: an "Internal" traceback, and no way to run the code
+    that would close them. Now the call runs with Python's own output and says what it
+    could not capture."""
+    agent.run("import os, resource\nresource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))\n"
+              "held = []\ntry:\n    while True:\n        held.append(os.open(os.devnull, 0))\n"
+              "except OSError:\n    pass")
+    out, _err, result = agent.run("print(len(held) > 200)")
+    assert (out, result["error"]) == ("True\n", None), result
+    assert any("out of open files" in warning for warning in result["warnings"]), result
+    agent.run("for fd in held:\n    os.close(fd)")
+    out, _err, result = agent.run("os.write(1, b'raw\\n')")
+    assert (out, result["warnings"]) == ("raw\n", []), (out, result)
+
+
 def test_bytes_written_to_stdout_buffer_are_output(agent: AgentProcess) -> None:
     out, err, result = agent.run(
         "import sys\nsys.stdout.buffer.write(b'caf\\xc3')\n"
@@ -660,6 +677,16 @@ def test_write_append_and_mode(agent: AgentProcess, tmp_path: Path) -> None:
     assert agent.call("write", b"def", path=str(path), append=True) == {"size": 6}
     assert path.read_bytes() == b"abcdef"
     assert agent.call("stat", path=str(path))["mode"] == 0o600  # kept from the old file
+
+
+def test_a_write_past_a_file_size_limit_the_repl_set_is_a_typed_refusal(
+        agent: AgentProcess, tmp_path: Path) -> None:
+    """User code may lower the REPL's RLIMIT_FSIZE, which the agent's writes meet too:
+    EFBIG came back as "Internal" with the agent's traceback."""
+    agent.run("import resource\nresource.setrlimit(resource.RLIMIT_FSIZE, (10, 10))")
+    _events, final = agent.collect(agent.send("write", b"x" * 100, path=str(tmp_path / "f")))
+    assert final["ev"] == "fail", final
+    assert final["error"]["type"] == "InvalidRequest" and "too large" in final["error"]["message"]
 
 
 def test_a_failed_upload_drops_its_remaining_frames(agent: AgentProcess, tmp_path: Path) -> None:

@@ -108,19 +108,33 @@ class FdCapture:
         self._pipes: list[int] = []  # read ends, as the thread hands them back
         self.files: list[int] = []
         self.dropped = 0
-        for fd in (1, 2):
-            read, write = os.pipe2(os.O_CLOEXEC)
+        # Every fd first, then the redirection: out of fds (the REPL's open-file limit,
+        # which user code can reach) the call fails with fds 1 and 2 untouched.
+        made: list[int] = []
+        try:
+            ends = []
+            for fd in (1, 2):
+                ends.append(os.pipe2(os.O_CLOEXEC))
+                made += ends[-1]
+                self.files.append(os.memfd_create(f"branchbox-fd{fd}", os.MFD_CLOEXEC))
+                made.append(self.files[-1])
+                self._saved.append(os.dup(fd))
+                made.append(self._saved[-1])
+            self._stop_read, self._stop_write = os.pipe2(os.O_CLOEXEC)
+        except BaseException:
+            for fd in made:
+                os.close(fd)
+            self._saved, self.files = [], []
+            raise
+        for fd, (read, write) in zip((1, 2), ends, strict=True):
             with contextlib.suppress(OSError):
                 fcntl.fcntl(read, _F_SETPIPE_SZ, _PIPE_SIZE)
-            self._saved.append(os.dup(fd))
             os.dup2(write, fd)  # inheritable, as fds 1 and 2 are
             os.close(write)
             self._pipes.append(read)
-            self.files.append(os.memfd_create(f"branchbox-fd{fd}", os.MFD_CLOEXEC))
         for fd in _leftovers:  # this call's thread drains them while the loop waits
             with contextlib.suppress(KeyError, ValueError):  # a fork child's new loop
                 agent.unwatch(fd)
-        self._stop_read, self._stop_write = os.pipe2(os.O_CLOEXEC)
         self._native = self._start_native()
         if self._native is None:
             # A bare thread and a lock it releases at its end: threading.Thread's start

@@ -34,6 +34,9 @@ _ERROR_TYPES = {
     errno.ENOTEMPTY: "InvalidRequest",
     errno.ENAMETOOLONG: "InvalidRequest",
     errno.ELOOP: "InvalidRequest",
+    errno.ETXTBSY: "InvalidRequest",  # a program running from that file
+    errno.EBUSY: "InvalidRequest",  # a mount point
+    errno.EFBIG: "InvalidRequest",  # past a file size limit the REPL's code set
 }
 _NEW_FILE_MODE = 0o644
 UPLOAD_PREFIX = ".bbupload-"  # an upload's temporary file, renamed into place when complete

@@ -32,6 +32,7 @@ import base64
 import builtins
 import codecs
 import contextlib
+import errno
 import io
 import json
 import linecache
@@ -184,6 +185,32 @@ class _Bytes(io.BufferedIOBase):
         self.flush()
 
 
+class _NoCapture:
+    """A call's capture when the REPL is out of fds: nothing captured, nothing to undo."""
+
+    files: list[int] = []
+    dropped = 0
+
+    def restore(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _capture(agent: Agent, keep: int) -> tuple[FdCapture | _NoCapture, str]:
+    """The call's fd capture, and a warning if there can be none. Out of open files (user
+    code holds the REPL's limit), the call still runs with Python's own output: it may
+    be what closes them; only what goes to fds 1 and 2 directly is not captured."""
+    try:
+        return FdCapture(agent, keep), ""
+    except OSError as exc:
+        if exc.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
+        return _NoCapture(), ("out of open files: what this call wrote to fds 1 and 2 "
+                              "directly (C code, subprocesses) was not captured")
+
+
 def _stdin() -> io.TextIOWrapper:
     """A ``sys.stdin`` whose close() (exit() and quit() call it) leaves fd 0 open: a freed
     fd 0 would be handed to the next file opened, and commands would read from that."""
@@ -253,7 +280,7 @@ class Repl:
         if sys.stdin is None or sys.stdin.closed:
             sys.stdin = _stdin()  # exit() closed it
         saved = sys.stdout, sys.stderr
-        capture = FdCapture(agent, call.limit.remaining)
+        capture, uncaptured = _capture(agent, call.limit.remaining)
         sys.stdout, sys.stderr = self.stdout, self.stderr
         self.call = call
         home = os.getcwd() if context and context.cwd else None
@@ -293,7 +320,8 @@ class Repl:
                 "truncated": call.limit.truncated,
                 "timed_out": outcome.timed_out,
                 "duration": time.monotonic() - started,
-                "warnings": [w for w in (take_fork_warning(), outcome.left_out) if w],
+                "warnings": [w for w in (take_fork_warning(), outcome.left_out, uncaptured)
+                             if w],
             },
         )
 
@@ -345,9 +373,11 @@ class Repl:
         for start in range(0, len(text), _PIECE):
             self.agent.event(rid, name, data=text[start : start + _PIECE])
 
-    def _send_captured(self, capture: FdCapture) -> None:
+    def _send_captured(self, capture: FdCapture | _NoCapture) -> None:
         assert self.call is not None
         self.call.limit.dropped += capture.dropped  # cut by the capture already
+        if not capture.files:  # out of fds: nothing was captured
+            return
         for name, mem in zip(("stdout", "stderr"), capture.files, strict=True):
             keep = self.call.limit.reserve(os.fstat(mem).st_size)
             decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

@@ -38,7 +38,9 @@ _CLOSED = (protocol.ChannelClosed, BrokenPipeError, ConnectionResetError)
 
 # A sandbox's resources running out, met by any handler (a file write, a command's spawn):
 # typed, so the caller gets a status that says so (507, 429) instead of a traceback.
-_EXHAUSTED = {errno.ENOSPC: "NoSpace", errno.EDQUOT: "NoSpace", errno.EAGAIN: "ResourceLimit"}
+_EXHAUSTED = {errno.ENOSPC: "NoSpace", errno.EDQUOT: "NoSpace", errno.EAGAIN: "ResourceLimit",
+              errno.EMFILE: "ResourceLimit", errno.ENFILE: "ResourceLimit",
+              errno.ENOMEM: "ResourceLimit"}
 
 
 def _exhausted_message(exc: OSError) -> str:
@@ -48,6 +50,11 @@ def _exhausted_message(exc: OSError) -> str:
         return f"the sandbox's disk limit (disk_mb) is reached{where}: {exc.strerror}"
     if exc.errno == errno.ENOSPC:
         return f"no space left on the sandbox's disk{where}: {exc.strerror}"
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        return (f"out of open files{where}: {exc.strerror} (the REPL's own open-file "
+                "limit: close some of the files its code holds open)")
+    if exc.errno == errno.ENOMEM:
+        return f"out of memory{where}: {exc.strerror} (the sandbox's memory limit, memory_mb)"
     return (f"the sandbox's process limit is reached{where}: {exc.strerror} (too many "
             "processes or threads are running in it)")
 
