@@ -556,7 +556,7 @@ def _fit(outcome: _Outcome) -> str:
     room = MAX_RESULTS
     dropped = []
     for mime, data in list(outcome.results.items()):
-        size = len(json.dumps(data))
+        size = _json_size(data)
         if size > room:
             del outcome.results[mime]
             dropped.append(f"{mime} ({size / 2**20:.1f} MiB)")
@@ -564,7 +564,7 @@ def _fit(outcome: _Outcome) -> str:
             room -= size
     kept = []
     for figure in outcome.figures:
-        size = len(json.dumps(figure))
+        size = sum(map(_json_size, figure.values()))
         if size <= room:
             kept.append(figure)
             room -= size
@@ -575,6 +575,12 @@ def _fit(outcome: _Outcome) -> str:
         return ""
     return (f"left out of the answer, past its {MAX_RESULTS >> 20} MiB of results: "
             + ", ".join(dropped))
+
+
+def _json_size(data: Any) -> int:
+    """About what ``data`` adds to the answer's JSON: a string's length (results are
+    mostly ASCII; the frame limit past MAX_RESULTS catches the rest), else encoded."""
+    return len(data) if isinstance(data, str) else len(json.dumps(data))
 
 
 def _error(exc: BaseException, tb: types.TracebackType | None) -> dict[str, str]:

@@ -28,7 +28,7 @@ from branchbox.engine import errors
 from branchbox.engine.host_image import HOST
 from branchbox.engine.image_build import STEP_PREFIX, collect_steps, step_manifest
 from branchbox.storage import btrfs
-from branchbox.storage.copyfs import remove_tree, walk
+from branchbox.storage.copyfs import DIR_FLAGS, remove_tree, walk
 from branchbox.storage.idmap import UID_BASE, UID_COUNT
 from branchbox.storage.images import KNOWN_IMAGES, SYSTEM_PYTHON, image_manifest, write_atomically
 
@@ -36,7 +36,6 @@ from branchbox.storage.images import KNOWN_IMAGES, SYSTEM_PYTHON, image_manifest
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 RESERVED = (HOST,)  # the host's own root (engine/host_image.py)
 _SETID = stat.S_ISUID | stat.S_ISGID
-_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class SavedImages:
@@ -277,7 +276,7 @@ def _rebase_tree(root: Path, old_base: int, new_base: int) -> None:
     """Move the owners of everything under ``root`` from host range ``old_base``.. to
     ``new_base``.. (ids outside the old range are left alone). Symlinks are not
     followed; chown's clearing of setuid/setgid is undone, as shift_tree does."""
-    fd = os.open(root, _DIR)
+    fd = os.open(root, DIR_FLAGS)
     try:
         top = os.fstat(fd)
         _rebase(fd, ".", top, old_base, new_base)
@@ -303,7 +302,7 @@ def _rebase(parent: int, name: str, st: os.stat_result, old_base: int, new_base:
 
 def _usage(root: Path) -> int:
     """Bytes the files under ``root`` take (a tree of any depth: ``copyfs.walk``)."""
-    fd = os.open(root, _DIR)
+    fd = os.open(root, DIR_FLAGS)
     try:
         return sum(st.st_blocks * 512 for _, _, st in walk(fd))
     finally:

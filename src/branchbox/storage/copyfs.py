@@ -51,7 +51,7 @@ FS_IMMUTABLE_FL = 0x00000010
 _NO_INODE_FLAGS = (errno.ENOTTY, errno.EOPNOTSUPP, errno.EINVAL)
 _FICLONE = 0x40049409
 _NO_CLONE = (errno.EXDEV, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOTTY, errno.ENOSYS)
-_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC  # never followed
 _CHUNK = 16 << 20
 PATH_MAX = 4096  # bytes of a path the kernel takes, its NUL included
 
@@ -71,11 +71,11 @@ class CopyBackend:
         immutable flag on its top directory."""
         if os.path.lexists(dst):
             raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), os.fspath(dst))
-        src_fd = os.open(src, _DIR)  # ENOTDIR/ELOOP when src is not a directory
+        src_fd = os.open(src, DIR_FLAGS)  # ENOTDIR/ELOOP when src is not a directory
         try:
             os.mkdir(dst, 0o700)
             try:
-                dst_fd = os.open(dst, _DIR)
+                dst_fd = os.open(dst, DIR_FLAGS)
                 try:
                     copy_tree(src_fd, dst_fd)
                 finally:
@@ -127,7 +127,7 @@ class Cursor:
 
     def up(self) -> None:
         """Back to the directory the last ``down`` came from."""
-        parent = os.open("..", _DIR, dir_fd=self.fd)
+        parent = os.open("..", DIR_FLAGS, dir_fd=self.fd)
         try:
             st = os.fstat(parent)
             if (st.st_dev, st.st_ino) != self._back[-1]:
@@ -160,7 +160,7 @@ def walk(top_fd: int) -> Iterator[tuple[int, str, os.stat_result]]:
             name, st = frames[-1].pop()
             yield at.fd, name, st
             if stat.S_ISDIR(st.st_mode) and st.st_dev == dev:
-                at.down(os.open(name, _DIR, dir_fd=at.fd))
+                at.down(os.open(name, DIR_FLAGS, dir_fd=at.fd))
                 frames.append(listing(at.fd))
     finally:
         at.close()
@@ -202,12 +202,12 @@ def copy_tree(src_fd: int, dst_fd: int, keep_xattr: Callable[[str], bool] = ever
                 continue
             name, st = todo.pop()
             if stat.S_ISDIR(st.st_mode):
-                sub = os.open(name, _DIR, dir_fd=src.fd)  # ELOOP if swapped for a symlink
+                sub = os.open(name, DIR_FLAGS, dir_fd=src.fd)  # ELOOP if swapped for a symlink
                 try:
                     if os.fstat(sub).st_dev != dev:
                         raise OSError(errno.EXDEV, "refusing to copy across a mount", name)
                     os.mkdir(name, 0o700, dir_fd=dst.fd)
-                    dsub = os.open(name, _DIR, dir_fd=dst.fd)
+                    dsub = os.open(name, DIR_FLAGS, dir_fd=dst.fd)
                 except BaseException:
                     os.close(sub)
                     raise
@@ -467,14 +467,14 @@ def _open_to_empty(parent: int, name: str) -> int:
     """Directory ``name`` of ``parent`` opened (not followed), with u+rwx if it lacked
     them: its entries are about to be removed."""
     try:
-        fd = os.open(name, _DIR, dir_fd=parent)
+        fd = os.open(name, DIR_FLAGS, dir_fd=parent)
     except PermissionError:  # no read permission (a caller without CAP_DAC_OVERRIDE)
-        pinned = os.open(name, os.O_PATH | _DIR, dir_fd=parent)
+        pinned = os.open(name, os.O_PATH | DIR_FLAGS, dir_fd=parent)
         try:
             os.chmod(f"/proc/self/fd/{pinned}", 0o700)  # that very directory
         finally:
             os.close(pinned)
-        fd = os.open(name, _DIR, dir_fd=parent)
+        fd = os.open(name, DIR_FLAGS, dir_fd=parent)
     mode = stat.S_IMODE(os.fstat(fd).st_mode)
     if mode & stat.S_IRWXU != stat.S_IRWXU:
         os.fchmod(fd, mode | stat.S_IRWXU)

@@ -19,6 +19,7 @@ import stat
 from pathlib import Path
 
 from branchbox.storage.copyfs import (
+    DIR_FLAGS,
     Cursor,
     copy_entry,
     copy_tree,
@@ -26,23 +27,13 @@ from branchbox.storage.copyfs import (
     listing,
     remove_entry,
 )
-from branchbox.storage.overlay import OPAQUE
-
-_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+from branchbox.storage.overlay import OPAQUE, is_opaque
 
 
 def _layer_xattr(name: str) -> bool:
     """Overlay's own attributes but ``opaque`` stay behind: origin and impure refer to
     the layer a file came from."""
     return name == OPAQUE or not name.startswith("trusted.overlay.")
-
-
-def _opaque(parent: int, name: str) -> bool:
-    try:
-        return os.getxattr(f"/proc/self/fd/{parent}/{name}", OPAQUE,
-                           follow_symlinks=False) == b"y"
-    except OSError:
-        return False
 
 
 def apply_layer(src_fd: int, dst_fd: int) -> None:
@@ -63,34 +54,39 @@ def apply_layer(src_fd: int, dst_fd: int) -> None:
                     dst.up()
                 continue
             name, st = todo.pop()
-            remove = not stat.S_ISDIR(st.st_mode) or _opaque(src.fd, name) \
-                or not _is_dir(dst.fd, name)
-            if remove:  # the path is replaced whole
+            if not stat.S_ISDIR(st.st_mode):  # replaces whatever the path was
                 remove_entry(dst.fd, name)
-            if not stat.S_ISDIR(st.st_mode):
                 copy_entry(src.fd, dst.fd, name, st, _layer_xattr)
-                continue
-            if remove:
-                os.mkdir(name, 0o700, dir_fd=dst.fd)
-            sub = os.open(name, _DIR, dir_fd=src.fd)
-            try:
-                dsub = os.open(name, _DIR, dir_fd=dst.fd)
-            except BaseException:
-                os.close(sub)
-                raise
-            if remove:
+            elif is_opaque(f"/proc/self/fd/{src.fd}/{name}") or not _is_dir(dst.fd, name):
+                _replace_dir(src.fd, dst.fd, name)
+            else:  # merged: its entries apply one by one, then its metadata
+                sub = os.open(name, DIR_FLAGS, dir_fd=src.fd)
                 try:
-                    copy_tree(sub, dsub, _layer_xattr)
-                finally:
+                    dsub = os.open(name, DIR_FLAGS, dir_fd=dst.fd)
+                except BaseException:
                     os.close(sub)
-                    os.close(dsub)
-                continue
-            src.down(sub)  # merged: its entries apply one by one, then its metadata
-            dst.down(dsub)
-            frames.append(listing(src.fd))
+                    raise
+                src.down(sub)
+                dst.down(dsub)
+                frames.append(listing(src.fd))
     finally:
         src.close()
         dst.close()
+
+
+def _replace_dir(src_parent: int, dst_parent: int, name: str) -> None:
+    """Directory ``name`` of ``dst_parent`` becomes a copy of ``src_parent``'s."""
+    remove_entry(dst_parent, name)
+    os.mkdir(name, 0o700, dir_fd=dst_parent)
+    sub = os.open(name, DIR_FLAGS, dir_fd=src_parent)
+    try:
+        dsub = os.open(name, DIR_FLAGS, dir_fd=dst_parent)
+        try:
+            copy_tree(sub, dsub, _layer_xattr)
+        finally:
+            os.close(dsub)
+    finally:
+        os.close(sub)
 
 
 def _is_dir(parent: int, name: str) -> bool:
@@ -108,9 +104,9 @@ def squash(backend, volumes: list[Path], dst: Path) -> None:
         for volume in reversed(volumes[:-1]):
             for layer in ("upper", "ws/upper"):  # the root, and a workspace if there is one
                 if (volume / layer).is_dir():
-                    src_fd = os.open(volume / layer, _DIR)
+                    src_fd = os.open(volume / layer, DIR_FLAGS)
                     try:
-                        dst_fd = os.open(dst / layer, _DIR)
+                        dst_fd = os.open(dst / layer, DIR_FLAGS)
                         try:
                             apply_layer(src_fd, dst_fd)
                         finally:
