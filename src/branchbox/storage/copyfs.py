@@ -143,6 +143,24 @@ class Cursor:
         os.close(self.fd)
 
 
+def descend(src: Cursor, dst: Cursor, name: str, *, dev: int | None = None,
+            make: bool = False) -> None:
+    """Both cursors down into their directory ``name`` (made in ``dst`` first with
+    ``make``); the source's must be on device ``dev`` if given (EXDEV: a mount)."""
+    sub = os.open(name, DIR_FLAGS, dir_fd=src.fd)  # ELOOP if swapped for a symlink
+    try:
+        if dev is not None and os.fstat(sub).st_dev != dev:
+            raise OSError(errno.EXDEV, "refusing to walk across a mount", name)
+        if make:
+            os.mkdir(name, 0o700, dir_fd=dst.fd)
+        dsub = os.open(name, DIR_FLAGS, dir_fd=dst.fd)
+    except BaseException:
+        os.close(sub)
+        raise
+    src.down(sub)
+    dst.down(dsub)
+
+
 def walk(top_fd: int) -> Iterator[tuple[int, str, os.stat_result]]:
     """Every entry below the directory open at ``top_fd``, depth first, as (fd of its
     directory, valid until the next step; name; lstat). Directories on another device
@@ -202,17 +220,7 @@ def copy_tree(src_fd: int, dst_fd: int, keep_xattr: Callable[[str], bool] = ever
                 continue
             name, st = todo.pop()
             if stat.S_ISDIR(st.st_mode):
-                sub = os.open(name, DIR_FLAGS, dir_fd=src.fd)  # ELOOP if swapped for a symlink
-                try:
-                    if os.fstat(sub).st_dev != dev:
-                        raise OSError(errno.EXDEV, "refusing to copy across a mount", name)
-                    os.mkdir(name, 0o700, dir_fd=dst.fd)
-                    dsub = os.open(name, DIR_FLAGS, dir_fd=dst.fd)
-                except BaseException:
-                    os.close(sub)
-                    raise
-                src.down(sub)
-                dst.down(dsub)
+                descend(src, dst, name, dev=dev, make=True)
                 frames.append((listing(src.fd), name, length + len(os.fsencode(name)) + 1))
                 continue
             key = (st.st_dev, st.st_ino)

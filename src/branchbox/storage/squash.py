@@ -23,6 +23,7 @@ from branchbox.storage.copyfs import (
     Cursor,
     copy_entry,
     copy_tree,
+    descend,
     dir_metadata,
     listing,
     remove_entry,
@@ -60,14 +61,7 @@ def apply_layer(src_fd: int, dst_fd: int) -> None:
             elif is_opaque(f"/proc/self/fd/{src.fd}/{name}") or not _is_dir(dst.fd, name):
                 _replace_dir(src.fd, dst.fd, name)
             else:  # merged: its entries apply one by one, then its metadata
-                sub = os.open(name, DIR_FLAGS, dir_fd=src.fd)
-                try:
-                    dsub = os.open(name, DIR_FLAGS, dir_fd=dst.fd)
-                except BaseException:
-                    os.close(sub)
-                    raise
-                src.down(sub)
-                dst.down(dsub)
+                descend(src, dst, name)
                 frames.append(listing(src.fd))
     finally:
         src.close()
