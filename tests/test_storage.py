@@ -31,6 +31,7 @@ from branchbox.storage.backend import (
     choose_backend,
 )
 from branchbox.storage.copyfs import remove_tree
+from branchbox.storage.deleter import Deleter
 from branchbox.storage.idmap import UID_BASE, UID_COUNT, shift_tree
 
 SMALL_IMAGE = 1 << 30
@@ -334,6 +335,55 @@ def test_copy_delete_runs_as_unprivileged_owner(copy_store: Store) -> None:
     assert os.waitstatus_to_exitcode(status) == 0
     assert not vol.exists()
     copy_store.backend.delete(parent)
+
+
+def test_the_deleter_deletes_in_its_own_thread_in_order_and_drains(store: Store) -> None:
+    """Freed volumes go to one background thread, in the order given; ``drain`` waits
+    for them, a missing one is no error, and a closed deleter refuses more."""
+    done: list[tuple[str, Path]] = []
+
+    def delete(path: Path) -> None:
+        store.backend.delete(path)
+        done.append((threading.current_thread().name, path))
+
+    deleter = Deleter(delete)
+    volumes = [fresh(store) for _ in range(3)]
+    for vol in volumes:
+        store.backend.create_volume(vol)
+        for i in range(200):
+            (vol / f"f{i}").write_text("x")
+    for vol in [*volumes, fresh(store)]:  # the last one was never made
+        deleter.put(vol)
+    deleter.drain()
+    assert deleter.pending() == 0
+    assert [path for _, path in done[:3]] == volumes
+    assert {name for name, _ in done} == {"bb-delete"}
+    assert not any(vol.exists() for vol in volumes)
+    deleter.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        deleter.put(fresh(store))
+
+
+def test_the_deleter_goes_on_past_a_failure_and_close_finishes_the_queue(
+        copy_store: Store, caplog: pytest.LogCaptureFixture) -> None:
+    """One volume that cannot be deleted is logged (the next start sweeps it); those
+    after it are deleted, and ``close`` deletes what is queued before it returns."""
+    stuck, after = fresh(copy_store), fresh(copy_store)
+
+    def delete(path: Path) -> None:
+        if path == stuck:
+            raise OSError(errno.EBUSY, "busy (injected)", str(path))
+        copy_store.backend.delete(path)
+
+    copy_store.backend.create_volume(stuck)
+    copy_store.backend.create_volume(after)
+    deleter = Deleter(delete)
+    deleter.put(stuck)
+    deleter.put(after)
+    deleter.close()
+    assert not after.exists() and stuck.exists()
+    assert "busy (injected)" in caplog.text
+    copy_store.backend.delete(stuck)
 
 
 # -- btrfs specifics ---------------------------------------------------------------------

@@ -250,7 +250,7 @@ class SavedImages:
             self._base_cache.pop(name, None)
             if own is not None:
                 self.ids.forget(Path(own))  # the slots' id-mapped views of it
-                await asyncio.to_thread(self.layers.backend.delete, Path(manifest["volume"]))
+                self.layers.deleter.put(Path(manifest["volume"]))
             await asyncio.to_thread(collect_steps, self)
 
     async def _drop_warm_of(self, image: str) -> None:

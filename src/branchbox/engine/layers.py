@@ -4,7 +4,8 @@ A sandbox body (an *instance*) owns one writable volume (``upper/`` +
 ``work/``, and ``ws/`` for a workspace) and shares frozen layers with its
 relatives. A frozen layer is a
 read-only snapshot of a parent's writable volume taken at fork time; every
-instance stacked on it holds a reference, and the last one to go deletes it.
+instance stacked on it holds a reference, and the last one to go deletes it
+(in the background: :mod:`branchbox.storage.deleter`).
 
 Each writable volume may carry a disk limit (bytes, enforced by the store's
 kernel quota). A frozen layer remembers the limit of the volume it was frozen
@@ -13,7 +14,6 @@ from, so a stack built on it (a fork child) inherits its parent's limit.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 from collections.abc import Callable
@@ -25,6 +25,7 @@ from branchbox.engine.made_ahead import MadeAhead
 from branchbox.runtime import rootfs
 from branchbox.runtime.cgroups import SandboxCgroup
 from branchbox.storage import squash
+from branchbox.storage.deleter import Deleter
 
 if TYPE_CHECKING:
     from branchbox.engine.idranges import IdRange
@@ -122,6 +123,7 @@ class Layers:
         self.ready = root / "ready"
         self.blank: MadeAhead[int | None, Path] = MadeAhead("volumes", self._blank,
                                                             backend.delete)
+        self.deleter = Deleter(backend.delete)
 
     def _new_path(self, prefix: str) -> Path:
         return self.root / f"{prefix}-{secrets.token_hex(8)}"
@@ -233,10 +235,9 @@ class Layers:
         return FrozenLayer(path, disk_bytes=layers[0].disk_bytes)
 
     def release(self, stack: LayerStack) -> None:
-        """Delete the writable volume and drop references to frozen layers; then let go
-        of the family's id range (its last layers are gone)."""
-        with contextlib.suppress(FileNotFoundError):
-            self.backend.delete(stack.volume)
+        """Have the writable volume deleted and drop references to frozen layers; then
+        let go of the family's id range (nothing mounts its layers any more)."""
+        self.deleter.put(stack.volume)
         for layer in stack.frozen:
             self.drop(layer)
         stack.frozen = []
@@ -252,5 +253,8 @@ class Layers:
     def drop(self, layer: FrozenLayer) -> None:
         layer.refs -= 1
         if layer.refs <= 0:
-            with contextlib.suppress(FileNotFoundError):
-                self.backend.delete(layer.path)
+            self.deleter.put(layer.path)
+
+    def close(self) -> None:
+        """Wait for the volumes freed so far to be deleted (before the store goes)."""
+        self.deleter.close()

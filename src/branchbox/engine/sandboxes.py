@@ -226,6 +226,8 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
             self.ids.close()
         if self.host_image is not None:
             self.host_image.close()
+        if self.layers is not None:  # the volumes freed are deleted while it is mounted
+            await asyncio.to_thread(self.layers.close)
         if self.store is not None:
             self.store.close()
         if self.records is not None:
