@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 import branchbox
-from branchbox.agent import protocol
+from branchbox.agent import files, protocol
+from branchbox.engine import listing
 
 SRC = str(Path(branchbox.__file__).resolve().parents[1])
 RECV_TIMEOUT = 20.0
@@ -304,10 +305,11 @@ def test_an_answer_too_large_for_one_frame_is_cut_and_the_repl_lives(
 
 
 def test_any_answer_too_large_for_a_frame_is_a_typed_failure(tmp_path: Path) -> None:
-    """A listing of a directory of 700,000 files was a 77 MB answer: past the frame
-    limit, the daemon closed the channel and the REPL was gone. Every answer too large
-    is now a PayloadTooLarge failure and the agent goes on (here a limit of 1 MiB and a
-    directory of 20,000 files stand for the real ones)."""
+    """An answer past the frame limit made the daemon close the channel, and the REPL
+    was gone (seen: an object whose ``_repr_html_`` is 100 MB). Every answer too large
+    is now a PayloadTooLarge failure and the agent goes on; a listing of any size comes
+    in chunks (700,000 files were a 77 MB answer). Here a limit of 1 MiB and a directory
+    of 20,000 files stand for the real ones."""
     wide = tmp_path / "wide"
     wide.mkdir()
     for i in range(20_000):
@@ -316,12 +318,16 @@ def test_any_answer_too_large_for_a_frame_is_a_typed_failure(tmp_path: Path) -> 
              + SCRIPT_AGENT)
     process = AgentProcess(["-c", small])
     try:
-        _events, final = process.collect(process.send("list", path=str(wide)))
+        _events, final = process.collect(process.send(
+            "run_code", code="class Big:\n    def _repr_html_(self): return 'x' * (2 << 20)\n"
+                             "Big()"))
         assert final["ev"] == "fail" and final["error"]["type"] == "PayloadTooLarge", final
         assert "MiB" in final["error"]["message"]
-        _events, final = process.collect(process.send("list", path=str(tmp_path)))
-        assert final["ev"] == "done" and [e["name"] for e in final["result"]["entries"]] == [
-            "wide"]
+        chunks, final = process.collect(process.send("list", path=str(wide)))
+        assert final == {"rid": final["rid"], "ev": "done", "result": {"count": 20_000}}
+        assert len(chunks) > 1 and all(len(p) <= files.LIST_CHUNK for _, p in chunks)
+        names = [e["name"] for _, p in chunks for e in listing.entries(p)]
+        assert names == [f"f{i:07d}" for i in range(20_000)]
     finally:
         process.close()
 
@@ -702,7 +708,9 @@ def test_list_stat_exists_remove(agent: AgentProcess, tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "inner").write_text("")
     (tmp_path / "c").symlink_to("missing")
-    entries = agent.call("list", path=str(tmp_path) + "/")["entries"]
+    chunks, final = agent.collect(agent.send("list", path=str(tmp_path) + "/"))
+    assert final["result"] == {"count": 3}
+    entries = [e for _, payload in chunks for e in listing.entries(payload)]
     assert [(e["name"], e["type"]) for e in entries] == [
         ("a", "dir"),
         ("b.txt", "file"),

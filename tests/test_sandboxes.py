@@ -199,6 +199,20 @@ def test_files_large_list_exists_remove(sandbox) -> None:
     assert not sandbox.files.exists("/tmp/big.bin")
 
 
+def test_a_listing_larger_than_any_answer_comes_whole_and_in_order(sandbox) -> None:
+    """A directory's listing is streamed in checked batches: 120,000 entries of 255-byte
+    names (a 72 MB answer, past the 64 MiB a frame may carry: it was a 413) come whole,
+    sorted, with the agent's fields; the sandbox goes on."""
+    sandbox.run_code("import os\nos.makedirs('/root/wide')\n"
+                     "for i in range(120_000):\n"
+                     "    open(f'/root/wide/{i:06d}' + 'n' * 249, 'w').close()")
+    entries = sandbox.files.list("/root/wide")
+    assert [e["name"] for e in entries] == [f"{i:06d}" + "n" * 249 for i in range(120_000)]
+    assert entries[7] == {**entries[7], "path": "/root/wide/" + entries[7]["name"],
+                          "type": "file", "size": 0}
+    assert sandbox.run_code("'fine'").text == "'fine'"
+
+
 def test_close_kills_everything_and_is_idempotent(harness) -> None:
     sb = harness.sandbox()
     sb.exec("sleep 600", background=True)

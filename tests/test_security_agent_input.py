@@ -377,3 +377,31 @@ def test_a_disconnected_client_stops_its_command(daemon: Daemon,
             break
         assert time.monotonic() < deadline, f"the abandoned command still runs: {ps}"
         time.sleep(0.2)
+
+
+FORGED_ENTRIES = {
+    "time-is-nan": "{**real(p, st), 'mtime': math.nan}",  # would break the answer's JSON
+    "name-is-a-number": "{**real(p, st), 'name': 7}",
+    "extra-field": "{**real(p, st), 'secret': 'x' * 100}",
+    "negative-size": "{**real(p, st), 'size': -1}",
+    "unknown-type": "{**real(p, st), 'type': 'socket'}",
+}
+
+
+@pytest.mark.parametrize("forged", FORGED_ENTRIES.values(), ids=FORGED_ENTRIES.keys())
+def test_a_forged_listing_is_refused_and_the_sandbox_goes_on(
+        daemon: Daemon, make: Callable[..., str], forged: str) -> None:
+    """A listing comes from the sandbox in batches, each checked before it is passed on:
+    an entry without an entry's fields and types is refused with a 500 that says so
+    (never a body of what the sandbox made up), and the sandbox answers the next call."""
+    victim = make()
+    assert daemon.run(victim, "import bbagent.files as f, math, os\n"
+                              "os.makedirs('/root/d/sub')\n"
+                              "real = f._entry\n"
+                              f"f._entry = lambda p, st: {forged}").status_code == 200
+    reply = daemon.http.get(f"/v1/sandboxes/{victim}/files/list", params={"path": "/root/d"})
+    assert reply.status_code == 500, reply.text
+    assert "malformed listing" in reply.json()["error"]
+    assert daemon.run(victim, "f._entry = real").status_code == 200
+    reply = daemon.http.get(f"/v1/sandboxes/{victim}/files/list", params={"path": "/root/d"})
+    assert [e["name"] for e in reply.json()["entries"]] == ["sub"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import shutil
 import stat
@@ -111,8 +112,16 @@ def handle_read(agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None
     agent.done(rid, {"size": size})
 
 
+LIST_CHUNK = 64 * 1024
+"""A listing travels as "chunk" events of a JSON array of at most this many bytes: the
+daemon checks and passes on each in a moment, whatever the directory holds (one answer
+of 200,000 entries held its event loop, and every other sandbox's calls, 1.3 s)."""
+
+
 def handle_list(agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None:
-    """``list`` {path}: done {"entries": [...]} sorted by name; symlinks are not followed."""
+    """``list`` {path}: "chunk" events, each a JSON array of entries, all sorted by name;
+    then done {"count"}. Symlinks are not followed."""
+    rid = req["rid"]
     path = _path(req)
     with _os_errors(path):
         if not stat.S_ISDIR(os.stat(path).st_mode):
@@ -125,7 +134,18 @@ def handle_list(agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None
                     st = item.stat(follow_symlinks=False)
                     entries.append(_entry(os.path.join(path, item.name), st))
     entries.sort(key=lambda entry: entry["name"])
-    agent.done(req["rid"], {"entries": entries})
+    batch: list[str] = []
+    size = 0
+    for entry in entries:
+        encoded = json.dumps(entry)  # ASCII: a name that is not UTF-8 as \udcXX escapes
+        if batch and size + len(encoded) + 2 > LIST_CHUNK:
+            agent.event(rid, "chunk", f"[{','.join(batch)}]".encode())
+            batch, size = [], 0
+        batch.append(encoded)
+        size += len(encoded) + 1
+    if batch:
+        agent.event(rid, "chunk", f"[{','.join(batch)}]".encode())
+    agent.done(rid, {"count": len(entries)})
 
 
 def handle_stat(agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None:

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from branchbox.agent.protocol import ChannelClosed
-from branchbox.engine import errors
+from branchbox.engine import errors, listing
 from branchbox.engine.branching import Branching
 from branchbox.engine.checkpoints import Checkpoint, Checkpoints
 from branchbox.engine.config import EngineConfig
@@ -802,6 +802,20 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
             if header.get("ev") == "done":
                 result = header.get("result") or {}
         return result
+
+    async def list_dir(self, sandbox_id: str, path: str) -> AsyncIterator[list[dict]]:
+        """The entries of directory ``path`` sorted by name, in batches (at least one,
+        maybe empty), each checked as it comes: one directory of any size never holds
+        the event loop (see ``agent.files.LIST_CHUNK``)."""
+        listed = False
+        async with contextlib.aclosing(self.stream(sandbox_id, "list", {"path": path})) as events:
+            async for header, payload in events:  # closed at once if our caller stops
+                if header.get("ev") == "chunk":
+                    listed = True
+                    yield listing.entries(payload)
+                    await asyncio.sleep(0)  # batches already queued wait their turn
+        if not listed:
+            yield []
 
     async def write_file(
         self, sandbox_id: str, path: str, chunks: AsyncIterator[bytes], mode: int | None = None

@@ -17,8 +17,8 @@ itself instead of trusting the agent's:
   sandbox (its callers get ``ChannelClosed``, its REPL sees the socket close).
 - Each request has a budget of output characters (its ``max_output`` plus a
   little) and of frames; a request that goes past it is a violation too. A
-  file read has no byte budget (files can be large) but is paced by its
-  reader: see backpressure.
+  file read or a directory listing has no byte budget (files and directories
+  can be large) but is paced by its reader: see backpressure.
 - Backpressure: each request's queue holds at most :data:`QUEUE_FRAMES` frames
   and :data:`QUEUE_BYTES` bytes. When it is full the reader stops reading the
   socket, the kernel's socket buffer fills and the agent blocks in its send.
@@ -72,7 +72,7 @@ ABANDONED_DRAIN = 1 << 30
 """Bytes the daemon reads and drops for a request nobody waits for any more; past that
 the sandbox is cut off rather than costing the daemon time for ever."""
 _OUTPUT_OPS = {"run_code", "exec"}
-_UNBOUNDED_OPS = {"read"}  # paced by its reader instead (backpressure)
+_UNBOUNDED_OPS = {"read", "list"}  # paced by their readers instead (backpressure)
 _FINAL = {"done", "fail"}
 
 

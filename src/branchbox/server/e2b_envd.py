@@ -253,13 +253,15 @@ async def fs_list(engine: Engine, sandbox_id: str, message: dict) -> dict:
     for _ in range(depth):
         below = []
         for directory in level:
-            for entry in (await engine.call(sandbox_id, "list", {"path": directory}))["entries"]:
-                entries.append(_entry(entry))
-                if entry["type"] == "dir":
-                    below.append(entry["path"])
-            if len(entries) > _MAX_LISTED:
-                raise RpcError("resource_exhausted",
-                               f"more than {_MAX_LISTED} entries: list with a smaller depth")
+            async with contextlib.aclosing(engine.list_dir(sandbox_id, directory)) as batches:
+                async for batch in batches:
+                    for entry in batch:
+                        entries.append(_entry(entry))
+                        if entry["type"] == "dir":
+                            below.append(entry["path"])
+                    if len(entries) > _MAX_LISTED:
+                        raise RpcError("resource_exhausted", f"more than {_MAX_LISTED} "
+                                       "entries: list with a smaller depth")
         level = below
     return {"entries": entries}
 

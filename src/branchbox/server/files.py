@@ -11,11 +11,12 @@ from typing import Annotated
 from urllib.parse import parse_qs
 
 from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import StreamingResponse
 
 from branchbox.engine import errors
 from branchbox.server.deps import NO_CONTENT, EngineDep
 from branchbox.server.models import SandboxPath, check_sandbox_path
-from branchbox.server.streams import bytes_response, opened
+from branchbox.server.streams import bytes_response, list_response, opened
 
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}/files", tags=["files"])
 PathQuery = Annotated[SandboxPath, Query(description=(
@@ -82,10 +83,12 @@ async def remove_file(sandbox_id: str, path: RawPath, engine: EngineDep,
     await engine.call(sandbox_id, "remove", {"path": path, "recursive": recursive})
 
 
-@router.get("/list")
-async def list_directory(sandbox_id: str, path: RawPath, engine: EngineDep) -> dict:
-    """``{"entries": [...]}`` of a directory."""
-    return await engine.call(sandbox_id, "list", {"path": path})
+@router.get("/list", response_class=StreamingResponse,
+            responses={200: {"content": {"application/json": {}}}})
+async def list_directory(sandbox_id: str, path: RawPath, engine: EngineDep) -> Response:
+    """``{"entries": [...]}`` of a directory, sorted by name; streamed, so a directory
+    of any size is answered in pieces (an error before the first is a status)."""
+    return list_response("entries", await opened(engine.list_dir(sandbox_id, path)))
 
 
 @router.get("/stat")

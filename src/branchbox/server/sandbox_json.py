@@ -19,7 +19,15 @@ class SandboxJSON(JSONResponse):
     serialization of ``-> dict`` answers (it refuses the surrogates)."""
 
     def render(self, content: Any) -> bytes:
-        try:
-            return super().render(content)
-        except UnicodeEncodeError:
-            return json.dumps(content, allow_nan=False, separators=(",", ":")).encode()
+        return dumps(content)
+
+
+def dumps(content: Any) -> bytes:
+    """``content`` as compact JSON, UTF-8; ASCII with escapes if it names what UTF-8
+    cannot encode."""
+    try:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False,
+                          separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        return json.dumps(content, allow_nan=False, separators=(",", ":")).encode()
+

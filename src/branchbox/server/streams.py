@@ -25,24 +25,27 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from fastapi.responses import Response, StreamingResponse
 
 from branchbox.engine import errors
 from branchbox.server.errors import describe
+from branchbox.server.sandbox_json import dumps
 
 log = logging.getLogger("branchbox.server")
 
 Event = tuple[dict, bytes]
+T = TypeVar("T")
 NDJSON = "application/x-ndjson"
 
 
-async def opened(events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+async def opened(events: AsyncIterator[T]) -> AsyncIterator[T]:
     """``events`` with its first event already received (raising any early failure here)."""
     return _resume(await _first(events), events)
 
 
-async def _first(events: AsyncIterator[Event]) -> Event:
+async def _first(events: AsyncIterator[T]) -> T:
     try:
         return await anext(events)
     except StopAsyncIteration:
@@ -50,7 +53,7 @@ async def _first(events: AsyncIterator[Event]) -> Event:
             from None
 
 
-async def _resume(first: Event, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+async def _resume(first: T, events: AsyncIterator[T]) -> AsyncIterator[T]:
     # Closing `events` here (also when the client goes away) releases the sandbox's lock.
     try:
         yield first
@@ -117,6 +120,25 @@ def bytes_response(events: AsyncIterator[Event]) -> StreamingResponse:
             await events.aclose()  # type: ignore[attr-defined]
 
     return StreamingResponse(body(), media_type="application/octet-stream")
+
+
+def list_response(key: str, batches: AsyncIterator[list]) -> StreamingResponse:
+    """``{key: [...]}`` with the items of ``batches``, each batch encoded as it comes: a
+    long list is never one piece of work, nor whole in memory."""
+
+    async def body() -> AsyncIterator[bytes]:
+        sep = b""
+        yield b"{" + dumps(key) + b":["
+        try:
+            async for batch in batches:
+                if batch:
+                    yield sep + dumps(batch)[1:-1]
+                    sep = b","
+        finally:
+            await batches.aclose()  # type: ignore[attr-defined]
+        yield b"]}"
+
+    return StreamingResponse(body(), media_type="application/json")
 
 
 def encode_line(line: dict) -> bytes:

@@ -1,0 +1,40 @@
+"""A directory listing as a sandbox's agent sends it, checked batch by batch.
+
+The agent runs in the sandbox, beside the user's code, so what it answers is hostile
+input: a batch is passed on only once every entry in it has an entry's fields, each of
+its type (a name or path of any characters; a finite time, since a NaN would break the
+JSON of the answer already under way).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from branchbox.engine import errors
+
+FIELDS = frozenset({"name", "path", "type", "size", "mode", "mtime"})
+TYPES = frozenset({"file", "dir", "symlink", "other"})
+
+
+def entries(payload: bytes) -> list[dict]:
+    """The entries of one "chunk" event of a ``list`` answer (a JSON array)."""
+    try:
+        batch = json.loads(payload)
+    except ValueError:
+        batch = None
+    if not isinstance(batch, list) or not all(map(_is_entry, batch)):
+        raise errors.EngineError("the sandbox's agent answered a malformed listing")
+    return batch
+
+
+def _is_entry(entry: object) -> bool:
+    return (isinstance(entry, dict) and entry.keys() == FIELDS
+            and type(entry["name"]) is str and type(entry["path"]) is str
+            and type(entry["type"]) is str and entry["type"] in TYPES
+            and _count(entry["size"]) and _count(entry["mode"])
+            and type(entry["mtime"]) in (int, float) and math.isfinite(entry["mtime"]))
+
+
+def _count(value: object) -> bool:
+    return type(value) is int and value >= 0
