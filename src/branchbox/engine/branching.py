@@ -173,10 +173,11 @@ class Branching:
     async def _frozen_lowers(self, pbody: Body, fresh: list[FrozenLayer]) -> list[FrozenLayer]:
         """``pbody``'s lower layers for its children: its layer frozen now on top of its
         frozen ones, squashed into one past MAX_CHAIN; each new layer goes in ``fresh``."""
-        fresh.append(await asyncio.to_thread(self.layers.freeze, pbody.layers, pbody.cgroup))
+        fresh.append(await self._freeze(pbody.layers, pbody.cgroup))
         lowers = [fresh[0], *pbody.layers.frozen]
         if len(lowers) > MAX_CHAIN:
-            fresh.append(await asyncio.to_thread(self.layers.squash, lowers))
+            fresh.append(await self.content.run(pbody.layers.ids.family, self.layers.squash,
+                                                lowers))
             lowers = [fresh[-1]]
         return lowers
 

@@ -154,7 +154,8 @@ async def _build(engine, name: str, spec: image_spec.Spec, context: Context,
                     async for event in _run_step(engine, sb.id, state, step, context, chosen,
                                                  f"step {index}/{total} {step.text}"):
                         yield event
-                    volume = await asyncio.to_thread(engine._capture, sb.body)
+                    volume = await engine.content.run(sb.body.layers.ids.family,
+                                                      engine._capture, sb.body)
                 finally:
                     with contextlib.suppress(errors.EngineError):
                         await engine.close(sb.id)

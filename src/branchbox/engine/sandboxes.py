@@ -24,12 +24,14 @@ from branchbox.engine.branching import Branching
 from branchbox.engine.checkpoints import Checkpoint, Checkpoints
 from branchbox.engine.config import EngineConfig
 from branchbox.engine.events import EventBus
+from branchbox.engine.fair_pool import FairPool
 from branchbox.engine.host_image import HOST, HostImage, HostImageUnavailable
 from branchbox.engine.idranges import IdRange, IdRanges
 from branchbox.engine.images import SavedImages
 from branchbox.engine.layers import (
     FrozenLayer,
     Layers,
+    LayerStack,
     WorkspaceLower,
 )
 from branchbox.engine.live import Body, FamilyHandle, Live
@@ -84,6 +86,8 @@ DEFAULT_ENV = {
 # pivot_root. Outside the data directory on purpose: the launcher resolves it as the
 # sandbox's mapped root, which may not traverse a private data directory's parents.
 ATTACH_DIR = Path("/run/branchbox/attach")
+CONTENT_THREADS = 4  # content work (engine.fair_pool), I/O-bound: twice the CPUs here
+CONTENT_PER_FAMILY = 2  # so two families' work always runs beside a third's backlog
 # Requests that never touch the REPL's interpreter state, so they skip its lock.
 # (follow streams a background command's output for as long as it runs.)
 _LOCK_FREE_OPS = {"ping", "wait", "kill", "ps", "follow", "input", "close_stdin",
@@ -129,6 +133,8 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
         self.ready_cgroups: MadeAhead[Limits, SandboxCgroup] = MadeAhead(  # fork children's
             "cgroups", self._new_cgroup, SandboxCgroup.remove)
         self.events = EventBus(self.config.events_kept)  # GET /v1/events and the /ui page
+        # Squashes, captures, commits, copies: as long as a family's files (engine.fair_pool)
+        self.content = FairPool(CONTENT_THREADS, CONTENT_PER_FAMILY)
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -226,12 +232,22 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
             self.ids.close()
         if self.host_image is not None:
             self.host_image.close()
+        await asyncio.to_thread(self.content.close)
         if self.layers is not None:  # the volumes freed are deleted while it is mounted
             await asyncio.to_thread(self.layers.close)
         if self.store is not None:
             self.store.close()
         if self.records is not None:
             self.records.close()
+
+    async def _freeze(self, stack: LayerStack, hold: SandboxCgroup | None = None
+                      ) -> FrozenLayer:
+        """``Layers.freeze`` off the event loop: a btrfs snapshot is O(1), on the default
+        pool; a copy takes as long as the volume holds, on the content pool in the
+        turn of ``stack``'s family."""
+        if self.layers.backend.name == "btrfs":
+            return await asyncio.to_thread(self.layers.freeze, stack, hold)
+        return await self.content.run(stack.ids.family, self.layers.freeze, stack, hold)
 
     # ------------------------------------------------------------------- lookup
     def get(self, sandbox_id: str) -> Live:

@@ -174,7 +174,7 @@ class StoppedSandboxes:
             host = None if branch is None else self._workspace_host(branch["host"])
             # The stopped volume is frozen as it is, under a new writable volume: the
             # failure of any later step leaves the stopped sandbox exactly as it was.
-            top = await asyncio.to_thread(self.layers.freeze, st.stack)
+            top = await self._freeze(st.stack)
             try:
                 sb = await self._spawn(st.record.image, {**meta, "cwd": "/", "disk_mb": None},
                                        None, host, sid=st.id, frozen=[top, *st.stack.frozen],
@@ -205,7 +205,7 @@ class StoppedSandboxes:
             if self._stopped.pop(sandbox_id, None) is None:
                 raise errors.SandboxNotFound()
             self.records.mark_closed([sandbox_id])
-            await asyncio.to_thread(self.layers.release, st.stack)
+            self.layers.release(st.stack)
         return True
 
     async def _leave_running(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import os
 import secrets
 import stat
@@ -86,8 +87,10 @@ class Workspaces:
             self._thaw_guard.commit_started(host)  # recovered by it if we die meanwhile
             try:
                 async with self._frozen_workspace(sb.body) as layers:
-                    done = await asyncio.to_thread(workspace_commit.commit, layers, host,
-                                                   since=branch.since)
+                    done = await self.content.run(
+                        sb.body.layers.ids.family,
+                        functools.partial(workspace_commit.commit, since=branch.since),
+                        layers, host)
             except workspace_commit.WorkspaceConflict as exc:  # refused before any change
                 self.records.end_commit(host)
                 raise errors.Conflict(str(exc)) from None
