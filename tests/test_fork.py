@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from waiting import eventually
 
-from branchbox import InvalidRequest, Sandbox, SandboxError, SandboxNotFound, StaleBranchError
+from branchbox import (
+    InvalidRequest,
+    Sandbox,
+    SandboxError,
+    SandboxNotFound,
+    SandboxTimeout,
+    StaleBranchError,
+)
 from branchbox.engine import branching
 from branchbox.runtime import cgroups
 from branchbox.sdk._portal import portal
+from branchbox.storage import layerdiff
 
 
 def close_all(*groups) -> None:
@@ -423,6 +433,79 @@ def test_diff_sees_changes_deletions_and_other_families(harness) -> None:
         with pytest.raises(InvalidRequest):
             a.diff(b, paths=["relative"])
         close_all([a, b])
+
+
+CHANGES_AFTER_FORK = (
+    "echo changed > /root/data/f1; rm /root/data/f2; mv /root/tree /root/moved; "
+    "rm -rf /etc/apt; mkdir -p /etc/apt; echo own > /etc/apt/mine; "  # an opaque dir
+    "rm -rf /usr/share/doc; ln -s /nowhere /root/link; chmod 600 /root/data/f3; "
+    "ln /root/data/f3 /root/hard; printf x > \"$(printf '/root/bad\\377name')\"; "
+    "touch /root/data/f4; mkdir /root/new && echo n > /root/new/inside")
+
+
+def test_diff_of_a_parent_and_its_children_names_what_the_walk_names(harness, monkeypatch,
+                                                                     caplog) -> None:
+    """A fork's parent writes on in its own volume while its children stand on
+    snapshots of it: on btrfs the pair is diffed from the kernel's send stream, not by
+    walking both. Every kind of change (contents, removals, a moved directory, an
+    opaque directory over the image's, whiteouts over a whole image directory, links,
+    modes, a name that is not UTF-8, a touch that changes nothing) comes out exactly as
+    the walk finds it, parent against child, child against parent, and between
+    children of two forks."""
+    with harness.sandbox() as parent:
+        parent.exec("mkdir -p /root/data /root/tree/sub && for i in 1 2 3 4; do "
+                    "echo $i > /root/data/f$i; done && echo t > /root/tree/sub/x")
+        (first,) = parent.fork(1)
+        assert parent.exec(f"set -e; {CHANGES_AFTER_FORK}").exit_code == 0
+        first.exec("echo mine > /root/data/f3")
+        (second,) = parent.fork(1)
+        pairs = [(parent, first), (first, parent), (first, second), (second, parent)]
+        paths = [None, ["/root"], ["/etc/apt"], ["/usr/share"]]
+        sent = [[a.diff(b, paths=p) for p in paths] for a, b in pairs]
+        assert "btrfs send" not in caplog.text  # no fallback to the walk
+        monkeypatch.setattr(layerdiff, "_sent_changes", lambda *args: None)
+        walked = [[a.diff(b, paths=p) for p in paths] for a, b in pairs]
+        assert sent == walked
+        d = walked[0][0]  # what the child has that the parent no longer has, and so on
+        assert d["added"][:1] == ["/root/data/f2"] and "/root/tree/sub/x" in d["added"]
+        assert "/root/moved/sub/x" in d["removed"] and "/root/bad\udcffname" in d["removed"]
+        assert {"/root/link", "/root/hard", "/root/new/inside"} <= set(d["removed"])
+        apt, share = walked[0][2], walked[0][3]
+        assert apt["removed"] == ["/etc/apt/mine"] and apt["added"] and apt["modified"] == []
+        assert share["added"] and all(p.startswith("/usr/share/doc/") for p in share["added"])
+        assert d["modified"] == ["/root/data/f1", "/root/data/f3"]  # not f4: touched only
+        close_all([first, second])
+
+
+def test_a_childs_diff_against_a_big_parent_costs_what_changed(harness, monkeypatch) -> None:
+    """A parent holding 6,000 files, and a child that changed one: the diff's listing
+    looks at a handful of paths on btrfs (the walk looks at both copies of all 6,000:
+    past 12,000 checks of its deadline), on the copy backend it walks."""
+    checks = {"n": 0}
+    real = layerdiff._listing_in_time
+
+    def counted(budget):
+        checks["n"] += 1
+        real(budget)
+
+    with harness.sandbox() as parent:
+        parent.exec("mkdir /root/many && cd /root/many && seq 6000 | xargs touch")
+        (child,) = parent.fork(1)
+        child.exec("echo x > /root/many/77")
+        monkeypatch.setattr(layerdiff, "_listing_in_time", counted)
+        assert child.diff(parent) == {"added": [], "removed": [], "modified": ["/root/many/77"]}
+        if harness.backend == "btrfs":
+            assert checks["n"] < 100, checks
+        else:
+            assert checks["n"] > 12_000, checks
+        # Past its deadline while the kernel still sends: refused, and the sender ends.
+        parent.exec("cd /root/many && seq 6000 | xargs chmod 600")
+        monkeypatch.setattr(layerdiff, "TIME_BUDGET", 0.0)
+        with pytest.raises(SandboxTimeout, match="narrower paths"):
+            child.diff(parent)
+        assert eventually(lambda: not any(t.name == "bb-send" for t in threading.enumerate()),
+                          within=10)
+        child.close()
 
 
 def test_engine_fork_is_flat_in_the_family_pid_namespace(sandbox, harness) -> None:

@@ -17,6 +17,7 @@ import errno
 import os
 import stat
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 from branchbox.storage.ioctl import ioctl
@@ -62,6 +63,17 @@ BTRFS_IOC_GET_DEV_STATS = 0xC4089434  # _IOWR(0x94, 52, struct btrfs_ioctl_get_d
 _DEV_STATS_SIZE = 1032
 DEV_STAT_NAMES = ("write_io_errs", "read_io_errs", "flush_io_errs", "corruption_errs",
                   "generation_errs")
+
+# What changed between two read-only subvolumes, as the kernel's send stream without
+# file data: {s64 send_fd; u64 clone_sources_count; u64 *clone_sources; u64 parent_root;
+# u64 flags; u32 version; u8 reserved[28]}, 72 bytes. GET_SUBVOL_INFO's struct is 504
+# bytes: treeid at 0, generation at 280, uuid at 296, parent_uuid at 312.
+BTRFS_IOC_SEND = 0x40489426  # _IOW(0x94, 38, struct btrfs_ioctl_send_args)
+BTRFS_SEND_FLAG_NO_FILE_DATA = 0x1
+_SEND_ARGS = struct.Struct("=qQQQQI28x")
+BTRFS_IOC_GET_SUBVOL_INFO = 0x81F8943C  # _IOR(0x94, 60, struct ..._get_subvol_info_args)
+_SUBVOL_INFO_SIZE = 504
+_INFO_TREEID_AT, _INFO_GENERATION_AT, _INFO_UUID_AT, _INFO_PARENT_UUID_AT = 0, 280, 296, 312
 
 # The root directory of every subvolume has this inode number; a plain
 # directory never does. It is how `btrfs subvolume show` tells them apart too.
@@ -140,6 +152,50 @@ def delete_subvolume(path: Path | str) -> None:
         for nested in nested_subvolumes(path):
             delete_subvolume(nested)
         _ioctl_in(parent, BTRFS_IOC_SNAP_DESTROY, args, path)
+
+
+@dataclass(frozen=True)
+class SubvolumeInfo:
+    """A subvolume's tree id (what send calls a root), its uuid, the uuid of the
+    subvolume it is a snapshot of (zeros if none) and whether it is read-only."""
+
+    treeid: int
+    uuid: bytes
+    parent_uuid: bytes
+    readonly: bool
+
+
+def subvolume_info(path: Path | str) -> SubvolumeInfo:
+    """What btrfs knows of subvolume ``path`` (which must be a subvolume's root)."""
+    fd = _open_dir(path)
+    try:
+        if os.fstat(fd).st_ino != _SUBVOL_ROOT_INO:
+            raise OSError(errno.EINVAL, "not a btrfs subvolume", os.fspath(path))
+        args = bytearray(_SUBVOL_INFO_SIZE)
+        _ioctl(fd, BTRFS_IOC_GET_SUBVOL_INFO, args, path)
+        flags = bytearray(8)
+        _ioctl(fd, BTRFS_IOC_SUBVOL_GETFLAGS, flags, path)
+    finally:
+        os.close(fd)
+    (treeid,) = struct.unpack_from("=Q", args, _INFO_TREEID_AT)
+    return SubvolumeInfo(treeid, bytes(args[_INFO_UUID_AT:_INFO_UUID_AT + 16]),
+                         bytes(args[_INFO_PARENT_UUID_AT:_INFO_PARENT_UUID_AT + 16]),
+                         bool(struct.unpack("=Q", flags)[0] & BTRFS_SUBVOL_RDONLY))
+
+
+def send_changes(snapshot: Path | str, parent_treeid: int, out_fd: int) -> None:
+    """Write to ``out_fd`` the send stream that turns the read-only subvolume of tree
+    ``parent_treeid`` into read-only ``snapshot``, without file data (a write is an
+    "update extent" naming the range). The kernel compares the two trees and skips
+    the parts they share, so the stream costs what changed, not what they hold."""
+    fd = _open_dir(snapshot)
+    try:
+        args = bytearray(_SEND_ARGS.size)
+        _SEND_ARGS.pack_into(args, 0, out_fd, 0, 0, parent_treeid,
+                             BTRFS_SEND_FLAG_NO_FILE_DATA, 0)
+        _ioctl(fd, BTRFS_IOC_SEND, args, snapshot)
+    finally:
+        os.close(fd)
 
 
 def set_readonly(path: Path | str, readonly: bool) -> None:
