@@ -1,5 +1,6 @@
-"""diff between two siblings that each changed a few files of a large tree: the
-cost must follow the changes, not the tree."""
+"""diff between two siblings that each changed a few files of a large tree, and
+between one of them and the parent (which keeps writing to the volume its children
+stand on a snapshot of): the cost must follow the changes, not the tree."""
 
 from __future__ import annotations
 
@@ -20,7 +21,12 @@ def run(ctx: Context) -> list[Row]:
         a, b = parent.fork(2)
         a.exec(edit_command(path, 10, "a"))
         b.exec(edit_command(path, 10, "b"))
+        parent.exec(edit_command(path, 10, "p"))
         ctx.step("diff")
-        samples = timed(lambda: a.diff(b, paths=["/root"]), ctx.pick(3, 20))
+        siblings = timed(lambda: a.diff(b, paths=["/root"]), ctx.pick(3, 20))
+        with_parent = timed(lambda: a.diff(parent, paths=["/root"]), ctx.pick(3, 20))
         close_all((a, b))
-    return [Row(f"diff, 10 files changed on each side of a {dirs * 100}-file tree", samples)]
+    tree = f"a {dirs * 100}-file tree"
+    return [Row(f"diff, 10 files changed on each side of {tree}", siblings),
+            Row(f"diff of a child and its parent, 10 changed on each side of {tree}",
+                with_parent)]
