@@ -36,7 +36,7 @@ def test_a_family_past_its_share_waits_and_another_runs_meanwhile() -> None:
             assert pool.busy() == {}
         finally:
             held.set()
-            pool.close()
+            await pool.close()
 
     asyncio.run(scenario())
 
@@ -65,7 +65,7 @@ def test_a_free_thread_goes_to_the_family_served_least_recently() -> None:
             return order
         finally:
             gate.set()
-            pool.close()
+            await pool.close()
 
     assert asyncio.run(scenario()) == ["a1", "b1", "c1", "a2", "a3"]
 
@@ -92,7 +92,7 @@ def test_errors_context_and_a_caller_gone_before_its_turn() -> None:
             assert ran == [] and gone.cancelled()
         finally:
             gate.set()
-            pool.close()
+            await pool.close()
 
     asyncio.run(scenario())
 

@@ -477,6 +477,18 @@ def test_diff_of_a_parent_and_its_children_names_what_the_walk_names(harness, mo
         close_all([first, second])
 
 
+def test_a_change_to_a_file_with_two_names_shows_under_both(harness) -> None:
+    """btrfs's send stream names a file changed in place under one of its names only;
+    a diff that meets such a file looks at the pair in full, so both names show."""
+    with harness.sandbox() as parent:
+        parent.exec("echo h > /root/one && ln /root/one /root/two")
+        (child,) = parent.fork(1)
+        parent.exec("echo changed > /root/one")
+        assert child.diff(parent)["modified"] == ["/root/one", "/root/two"]
+        assert parent.diff(child)["modified"] == ["/root/one", "/root/two"]
+        child.close()
+
+
 def test_a_childs_diff_against_a_big_parent_costs_what_changed(harness, monkeypatch) -> None:
     """A parent holding 6,000 files, and a child that changed one: the diff's listing
     looks at a handful of paths on btrfs (the walk looks at both copies of all 6,000:

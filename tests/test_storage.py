@@ -20,9 +20,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from waiting import eventually
 
 from branchbox.agent import sysc
-from branchbox.storage import btrfs, copyfs, images, loopback
+from branchbox.storage import btrfs, copyfs, images, loopback, send_stream
+from branchbox.storage import deleter as deleter_module
 from branchbox.storage import ioctl as storage_ioctl
 from branchbox.storage.backend import (
     BackendUnavailable,
@@ -337,9 +339,9 @@ def test_copy_delete_runs_as_unprivileged_owner(copy_store: Store) -> None:
     copy_store.backend.delete(parent)
 
 
-def test_the_deleter_deletes_in_its_own_thread_in_order_and_drains(store: Store) -> None:
-    """Freed volumes go to one background thread, in the order given; ``drain`` waits
-    for them, a missing one is no error, and a closed deleter refuses more."""
+def test_the_deleter_deletes_in_its_own_thread_in_order(store: Store) -> None:
+    """Freed volumes go to one background thread, in the order given; ``close`` waits
+    for them, a missing one is no error, and once closed a put deletes at once."""
     done: list[tuple[str, Path]] = []
 
     def delete(path: Path) -> None:
@@ -347,21 +349,19 @@ def test_the_deleter_deletes_in_its_own_thread_in_order_and_drains(store: Store)
         done.append((threading.current_thread().name, path))
 
     deleter = Deleter(delete)
-    volumes = [fresh(store) for _ in range(3)]
+    volumes = [fresh(store) for _ in range(4)]
     for vol in volumes:
         store.backend.create_volume(vol)
         for i in range(200):
             (vol / f"f{i}").write_text("x")
-    for vol in [*volumes, fresh(store)]:  # the last one was never made
+    for vol in [*volumes[:3], fresh(store)]:  # the last one was never made
         deleter.put(vol)
-    deleter.drain()
-    assert deleter.pending() == 0
-    assert [path for _, path in done[:3]] == volumes
-    assert {name for name, _ in done} == {"bb-delete"}
-    assert not any(vol.exists() for vol in volumes)
     deleter.close()
-    with pytest.raises(RuntimeError, match="closed"):
-        deleter.put(fresh(store))
+    assert [path for _, path in done[:3]] == volumes[:3]
+    assert {name for name, _ in done} == {"bb-delete"}
+    deleter.put(volumes[3])
+    assert done[-1] == (threading.current_thread().name, volumes[3])
+    assert not any(vol.exists() for vol in volumes)
 
 
 def test_the_deleter_goes_on_past_a_failure_and_close_finishes_the_queue(
@@ -372,7 +372,7 @@ def test_the_deleter_goes_on_past_a_failure_and_close_finishes_the_queue(
 
     def delete(path: Path) -> None:
         if path == stuck:
-            raise OSError(errno.EBUSY, "busy (injected)", str(path))
+            raise OSError(errno.EIO, "broken (injected)", str(path))
         copy_store.backend.delete(path)
 
     copy_store.backend.create_volume(stuck)
@@ -382,8 +382,81 @@ def test_the_deleter_goes_on_past_a_failure_and_close_finishes_the_queue(
     deleter.put(after)
     deleter.close()
     assert not after.exists() and stuck.exists()
-    assert "busy (injected)" in caplog.text
+    assert "broken (injected)" in caplog.text
     copy_store.backend.delete(stuck)
+
+
+def test_a_subvolume_being_sent_is_deleted_once_the_send_ends(
+        btrfs_store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """btrfs refuses (EPERM) to destroy a subvolume a send is reading (a diff of it);
+    the deleter tries it again later instead of leaving it for the next start."""
+    monkeypatch.setattr(deleter_module, "RETRY_AFTER", (1.0,) * 5)
+    live, before, after = fresh(btrfs_store), fresh(btrfs_store), fresh(btrfs_store)
+    btrfs.create_subvolume(live)
+    for i in range(5000):
+        (live / f"f{i}").touch()
+    btrfs.snapshot(live, before, readonly=True)
+    for i in range(5000):
+        os.chmod(live / f"f{i}", 0o600)
+    btrfs.snapshot(live, after, readonly=True)
+    refused: list[int] = []
+
+    def delete(path: Path) -> None:
+        try:
+            btrfs_store.backend.delete(path)
+        except OSError as exc:
+            refused.append(exc.errno)
+            raise
+
+    deleter = Deleter(delete)
+    changes = send_stream.changes(after, btrfs.subvolume_info(before).treeid, lambda: None)
+    try:
+        assert next(changes).path  # the kernel's send is under way (its pipe is full)
+        deleter.put(after)
+        assert eventually(lambda: bool(refused), within=10)
+        assert refused == [errno.EPERM] and after.exists()
+    finally:
+        changes.close()  # the send ends at its next write
+    assert eventually(lambda: not after.exists(), within=10)
+    deleter.close()
+    for vol in (live, before):
+        btrfs_store.backend.delete(vol)
+
+
+def test_the_send_stream_names_what_changed_and_stops_when_told(btrfs_store: Store) -> None:
+    """What a send stream (without data) says changed between two snapshots of one
+    volume, each path with whether its subtree is in question; a check that raises
+    stops it at once, the kernel's send ending with it (no thread left)."""
+    live, before, after = fresh(btrfs_store), fresh(btrfs_store), fresh(btrfs_store)
+    btrfs.create_subvolume(live)
+    (live / "dir" / "sub").mkdir(parents=True)
+    for name in ("same", "edited", "gone", "dir/sub/x"):
+        (live / name).write_text("x")
+    btrfs.snapshot(live, before, readonly=True)
+    (live / "edited").write_text("y")
+    (live / "gone").unlink()
+    (live / "dir").rename(live / "moved")
+    (live / os.fsdecode(b"new\xff")).write_text("n")
+    btrfs.snapshot(live, after, readonly=True)
+    parent = btrfs.subvolume_info(before).treeid
+    found: dict[bytes, bool] = {}
+    for change in send_stream.changes(after, parent, lambda: None):
+        found[change.path] = found.get(change.path, False) or change.whole
+    assert found[b"edited"] is False and found[b"gone"] is True
+    assert found[b"dir"] is True and found[b"moved"] is True and found[b"new\xff"] is True
+    assert b"same" not in found and b"moved/sub/x" not in found  # a move is one rename
+
+    class Stop(Exception):
+        pass
+
+    def stop() -> None:
+        raise Stop
+
+    with pytest.raises(Stop):
+        list(send_stream.changes(after, parent, stop))
+    assert not any(t.name == "bb-send" for t in threading.enumerate())
+    for vol in (live, before, after):
+        btrfs_store.backend.delete(vol)
 
 
 # -- btrfs specifics ---------------------------------------------------------------------

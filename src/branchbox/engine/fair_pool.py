@@ -43,9 +43,12 @@ class FairPool:
         self._running: Counter[Hashable] = Counter()
         self._served: dict[Hashable, int] = {}  # a busy family's latest start, by number
         self._starts = itertools.count()
+        self._closed = False
 
     async def run(self, family: Hashable, fn: Callable[..., T], /, *args: Any) -> T:
         """``fn(*args)`` on one of the pool's threads, in ``family``'s turn."""
+        if self._closed:
+            raise RuntimeError("the pool is closed")
         done = asyncio.get_running_loop().create_future()
         call = functools.partial(contextvars.copy_context().run, fn, *args)
         self._waiting.setdefault(family, deque()).append((done, call))
@@ -82,8 +85,9 @@ class FairPool:
         if not self._running[family]:
             del self._running[family]
             self._forget(family)
-        if done.cancelled():
-            pass
+        if done.cancelled():  # its caller went away: the outcome is nobody's
+            if not running.cancelled():
+                running.exception()  # read, so asyncio does not report it as lost
         elif running.cancelled():
             done.cancel()
         elif running.exception() is not None:
@@ -98,11 +102,12 @@ class FairPool:
         if family not in self._running and family not in self._waiting:
             self._served.pop(family, None)
 
-    def close(self) -> None:
+    async def close(self) -> None:
         """The daemon stops: jobs not started never start (their callers are cancelled),
-        and this waits for those running."""
+        later ones are refused, and this waits for those running."""
+        self._closed = True
         for jobs in self._waiting.values():
             for done, _ in jobs:
                 done.cancel()
         self._waiting.clear()
-        self._executor.shutdown(wait=True)
+        await asyncio.to_thread(self._executor.shutdown, wait=True)

@@ -266,7 +266,8 @@ async def _finish(engine, name: str, spec: image_spec.Spec, state: dict, keys: l
         "name": name, "kind": "built", "created": time.time(), "from_image": spec.base,
         "lowers": state["lowers"], "steps": keys, "python_path": state["python_path"],
         "env": state["env"], "workdir": state["workdir"],
-        "size_bytes": sum([await asyncio.to_thread(engine.layer_bytes, p) for p in own]),
+        "size_bytes": sum([await engine.content.run(f"build:{name}", engine.layer_bytes, p)
+                           for p in own]),
         "build_seconds": round(seconds, 1),
     }
     async with lock:

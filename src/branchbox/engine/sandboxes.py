@@ -232,7 +232,7 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
             self.ids.close()
         if self.host_image is not None:
             self.host_image.close()
-        await asyncio.to_thread(self.content.close)
+        await self.content.close()
         if self.layers is not None:  # the volumes freed are deleted while it is mounted
             await asyncio.to_thread(self.layers.close)
         if self.store is not None:

@@ -154,8 +154,7 @@ class Workspaces:
         finally:
             body.cgroup.freeze(frozen=False)
             if snapshot is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    await asyncio.to_thread(self.store.backend.delete, snapshot)
+                self.layers.deleter.put(snapshot)
 
     async def _attach_workspace(self, body: Body, branch: WorkspaceBranch) -> None:
         """Mount a workspace into a running sandbox: its layers join the sandbox's volume

@@ -30,4 +30,3 @@ def dumps(content: Any) -> bytes:
                           separators=(",", ":")).encode()
     except UnicodeEncodeError:
         return json.dumps(content, allow_nan=False, separators=(",", ":")).encode()
-

@@ -19,7 +19,9 @@ keeps writing to its volume while its children stand on a snapshot of it, and tw
 forks of one parent stand on two snapshots of it. On btrfs such a pair is not
 walked: the kernel's send stream (:mod:`branchbox.storage.send_stream`) names what
 differs between them, in time proportional to that (a child of a parent holding
-300,000 files was past the diff's budget; now it costs what either changed).
+200,000 files was past the diff's budget; now it costs what either changed). The
+stream names a changed inode by one of its names: a change to a file with other
+names (hard links) makes that pair walked after all.
 
 Bounded, because the layers are written by hostile code: a sandbox can make a
 file of 1 EiB apparent size with ``truncate``, a million files, or a FIFO. So
@@ -274,9 +276,10 @@ def _candidates(unshared: list[int], others: list[list[int]], prefix: str,
 def _sent_changes(mine: Path, other: Path, budget: Budget) -> dict[str, bool] | None:
     """The paths that differ between layers ``mine`` and ``other`` (each the ``upper``
     of a btrfs subvolume), each with whether what lies below it may differ too; None
-    unless btrfs knows the two as snapshots of one volume and says what differs (then
-    they are walked instead). A live volume is snapshotted read-only for it (O(1)),
-    and that snapshot deleted after."""
+    unless btrfs knows the two as snapshots of one volume and says what differs, and
+    no changed file has another name (then they are walked instead). A live volume is
+    snapshotted read-only for it (O(1)), and that snapshot deleted after. Past the
+    deadline, DiffTooLarge as for a walk; the kernel's send ends at its next write."""
     volumes = [mine.parent, other.parent]
     if mine.name != "upper" or other.name != "upper":
         return None
@@ -302,6 +305,8 @@ def _sent_changes(mine: Path, other: Path, budget: Budget) -> dict[str, bool] | 
             if change.path.startswith(b"upper/"):  # not overlay's work/, a temporary name
                 rel = os.fsdecode(change.path[len(b"upper/"):])
                 found[rel] = found.get(rel, False) or change.whole
+        if _linked_elsewhere([volume / "upper" for volume, _ in readonly], found, budget):
+            return None
         return found
     except (OSError, send_stream.StreamError) as exc:
         log.warning("diff: btrfs send of %s against %s: %s; walking them", *volumes, exc)
@@ -310,6 +315,31 @@ def _sent_changes(mine: Path, other: Path, budget: Budget) -> dict[str, bool] | 
         for snapshot in made:
             with contextlib.suppress(OSError):
                 btrfs.delete_subvolume(snapshot)
+
+
+def _linked_elsewhere(uppers: list[Path], found: dict[str, bool], budget: Budget) -> bool:
+    """Whether a file changed in place (its data, mode or times: named by the stream
+    under one of its names only) has more than one name in either layer."""
+    fds = [os.open(upper, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+           for upper in uppers]
+    try:
+        for rel, whole in found.items():
+            if whole:
+                continue  # moved, made or removed: looked at in full, every name of it
+            _listing_in_time(budget)
+            for fd in fds:
+                try:
+                    st = _lstat(fd, rel)
+                except OSError as exc:
+                    if exc.errno not in _RACED:
+                        raise
+                    continue
+                if st is not None and not stat.S_ISDIR(st.st_mode) and st.st_nlink > 1:
+                    return True
+        return False
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _changed_under(sent: dict[str, bool], stacks: list[list[int]], prefix: str,

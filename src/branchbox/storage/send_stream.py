@@ -61,8 +61,8 @@ def changes(snapshot: Path, parent_treeid: int,
     """What differs between read-only subvolume ``snapshot`` and the read-only one of
     tree ``parent_treeid``, in the stream's order; ``check()`` is called between
     commands and may raise to stop (the kernel's send then ends at its next write)."""
-    read_end, write_end = os.pipe2(os.O_CLOEXEC)
     failed: list[OSError] = []
+    read_end, write_end = os.pipe2(os.O_CLOEXEC)
 
     def send() -> None:
         try:
@@ -73,7 +73,12 @@ def changes(snapshot: Path, parent_treeid: int,
             os.close(write_end)
 
     sender = threading.Thread(target=send, name="bb-send", daemon=True)
-    sender.start()
+    try:
+        sender.start()
+    except BaseException:  # no thread to be had: neither end is anyone's
+        os.close(read_end)
+        os.close(write_end)
+        raise
     try:
         with os.fdopen(read_end, "rb", buffering=1 << 16) as stream:
             try:
@@ -112,6 +117,8 @@ def _parse(stream: BinaryIO, check: Callable[[], None]) -> Iterator[Change]:
 def _attributes(body: bytes) -> Iterator[tuple[int, bytes]]:
     at = 0
     while at < len(body):
+        if at + _ATTRIBUTE.size > len(body):
+            raise StreamError("an attribute header past its command's end")
         kind, length = _ATTRIBUTE.unpack_from(body, at)
         at += _ATTRIBUTE.size
         if at + length > len(body):
