@@ -405,3 +405,29 @@ def test_a_forged_listing_is_refused_and_the_sandbox_goes_on(
     assert daemon.run(victim, "f._entry = real").status_code == 200
     reply = daemon.http.get(f"/v1/sandboxes/{victim}/files/list", params={"path": "/root/d"})
     assert [e["name"] for e in reply.json()["entries"]] == ["sub"]
+
+
+def test_output_events_for_a_listing_end_only_that_sandbox(daemon: Daemon,
+                                                           make: Callable[..., str]) -> None:
+    """A listing has no output budget (it is paced by its reader), so its agent may
+    send it data and a final event, nothing else: a sandbox whose agent floods a
+    listing with stdout events (which nobody reads: the caller waits for entries for
+    ever) has its channel closed, and the call ends."""
+    victim, other = make(), make()
+    pids = daemon.processes(victim)
+    assert daemon.run(victim, "import bbagent.files as f, os, sys\n"
+                              "os.makedirs('/root/d/sub')\n"
+                              "def flood(path, st):\n"
+                              "    caller = sys._getframe(1).f_locals\n"
+                              "    while True:\n"
+                              "        caller['agent'].event(caller['req']['rid'], 'stdout',"
+                              " data='x' * 1000)\n"
+                              "f._entry = flood").status_code == 200
+    started = time.monotonic()
+    reply = daemon.http.get(f"/v1/sandboxes/{victim}/files/list", params={"path": "/root/d"},
+                            timeout=60)
+    assert reply.status_code in (410, 500), reply.text
+    assert time.monotonic() - started < LIVE
+    assert daemon.run(victim, "1").status_code == 410  # that sandbox's channel is closed
+    assert_others_fine(daemon, other)
+    assert_closed_cleanly(daemon, victim, pids)

@@ -56,7 +56,7 @@ class FairPool:
         return await done
 
     def busy(self) -> dict[Hashable, int]:
-        """Jobs running per family (for tests and info)."""
+        """Jobs running now, per family."""
         return {family: n for family, n in self._running.items() if n}
 
     def _start_next(self) -> None:

@@ -18,7 +18,9 @@ itself instead of trusting the agent's:
 - Each request has a budget of output characters (its ``max_output`` plus a
   little) and of frames; a request that goes past it is a violation too. A
   file read or a directory listing has no byte budget (files and directories
-  can be large) but is paced by its reader: see backpressure.
+  can be large) but is paced by its reader: see backpressure. Such a request
+  may send data chunks and its final event, nothing else (output events for
+  it, which nobody reads, would go on for ever).
 - Backpressure: each request's queue holds at most :data:`QUEUE_FRAMES` frames
   and :data:`QUEUE_BYTES` bytes. When it is full the reader stops reading the
   socket, the kernel's socket buffer fills and the agent blocks in its send.
@@ -80,6 +82,7 @@ the sandbox is cut off rather than costing the daemon time for ever."""
 _OUTPUT_OPS = {"run_code", "exec"}
 _UNBOUNDED_OPS = {"read", "list"}  # paced by their readers instead (backpressure)
 _FINAL = {"done", "fail"}
+_PACED = {"chunk", *_FINAL}  # what an unbounded request may send
 _TEXT = {"stdout", "stderr"}
 
 
@@ -314,6 +317,8 @@ class AgentChannel:
                     raise ProtocolViolation(f"event for request {rid}, which is not open")
                 if req.finished:
                     raise ProtocolViolation(f"event for request {rid} after its final event")
+                if req.op in _UNBOUNDED_OPS and ev not in _PACED:  # unbudgeted: data only
+                    raise ProtocolViolation(f"{ev} event for request {req.op!r}")
                 req.charge(content, size, ev in _FINAL)
                 if ev in _FINAL:
                     req.finished = True
