@@ -554,6 +554,32 @@ def test_bad_input_is_refused_never_a_server_error(daemon: ServedDaemon) -> None
             http.delete(f"/sandboxes/{sandbox_id}")
 
 
+def test_list_dir_of_many_entries_is_whole_and_sorted(daemon: ServedDaemon) -> None:
+    """ListDir reads the listing in its checked batches and encodes them as they come:
+    5,000 entries (several batches) and a name that is not UTF-8 come back whole, in
+    order, each with E2B's fields."""
+    key = {"X-API-Key": API_KEY}
+    with httpx.Client(base_url=daemon.url, timeout=120, headers=key) as http:
+        sandbox_id = http.post("/v2/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+        plane = {**key, "E2b-Sandbox-Id": sandbox_id}
+        try:
+            made = http.post("/execute", headers=plane, json={"code": (
+                "import os\nos.makedirs('/tmp/many')\n"
+                "for i in range(5000):\n    open(f'/tmp/many/f{i:05d}', 'w').close()\n"
+                "open(b'/tmp/many/z\\xff', 'w').close()")})
+            assert made.status_code == 200, made.text
+            reply = http.post("/filesystem.Filesystem/ListDir", headers=plane,
+                              json={"path": "/tmp/many", "depth": 1})
+            assert reply.status_code == 200, reply.text
+            entries = reply.json()["entries"]
+            assert [e["name"] for e in entries] == [f"f{i:05d}" for i in range(5000)] + [
+                "z\udcff"]
+            assert entries[0]["path"] == "/tmp/many/f00000" and entries[0]["type"] == (
+                "FILE_TYPE_FILE") and entries[0]["size"] == "0"
+        finally:
+            http.delete(f"/sandboxes/{sandbox_id}")
+
+
 def _body(body: object, headers: dict[str, str] | None = None) -> dict:
     """httpx arguments sending ``body`` (a string as it is, as JSON's media type)."""
     headers = dict(headers or {})

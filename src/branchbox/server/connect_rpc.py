@@ -122,10 +122,15 @@ def timeout_of(request: Request) -> float | None:
     return int(raw) / 1000 if raw.isdigit() and int(raw) > 0 else None
 
 
-async def unary(request: Request, handler: Callable[[dict], Awaitable[dict]]) -> Response:
-    """Answer a unary call with ``handler(message)``, or its failure as a Connect error."""
+async def unary(request: Request,
+                handler: Callable[[dict], Awaitable[dict | bytes]]) -> Response:
+    """Answer a unary call with ``handler(message)`` (a message, or one already encoded
+    as JSON in pieces: a long one), or its failure as a Connect error."""
     try:
-        return SandboxJSON(await handler(await read_unary(request)))
+        reply = await handler(await read_unary(request))
+        if isinstance(reply, bytes):
+            return Response(reply, media_type="application/json")
+        return SandboxJSON(reply)
     except Exception as exc:  # every failure reaches the client as a Connect error
         return _reported(exc)
 

@@ -42,7 +42,7 @@ from branchbox.server.e2b_control import E2B_HOME, e2b_error
 from branchbox.server.errors import describe
 from branchbox.server.files import _limited, _too_large
 from branchbox.server.models import check_sandbox_path
-from branchbox.server.sandbox_json import SandboxJSON
+from branchbox.server.sandbox_json import SandboxJSON, dumps
 from branchbox.server.streams import bytes_response, opened
 
 router = APIRouter(tags=["e2b sandbox"], include_in_schema=False)
@@ -150,9 +150,11 @@ async def process_connect(request: Request, sandbox_id: SandboxId, engine: Engin
 
 
 def _unary(path: str) -> Callable:
-    """Register a unary call at ``path``: ``handler(engine, sandbox_id, message) -> reply``."""
+    """Register a unary call at ``path``: ``handler(engine, sandbox_id, message) -> reply``
+    (a message, or its JSON)."""
 
-    def register(handler: Callable[[Engine, str, dict], Awaitable[dict]]) -> Callable:
+    def register(handler: Callable[[Engine, str, dict], Awaitable[dict | bytes]]
+                 ) -> Callable:
         @router.post(path, name=f"e2b{path.replace('/', '_').replace('.', '_')}")
         async def route(request: Request, sandbox_id: SandboxId, engine: EngineDep
                         ) -> Response:
@@ -244,26 +246,29 @@ async def fs_stat(engine: Engine, sandbox_id: str, message: dict) -> dict:
 
 
 @_unary("/filesystem.Filesystem/ListDir")
-async def fs_list(engine: Engine, sandbox_id: str, message: dict) -> dict:
+async def fs_list(engine: Engine, sandbox_id: str, message: dict) -> bytes:
+    """The entries, encoded batch by batch as they come (one answer of 100,000 encoded
+    at once would hold the event loop a good part of a second)."""
     depth = message.get("depth") or 1
     if not isinstance(depth, int) or not 1 <= depth <= _MAX_DEPTH:
         raise RpcError("invalid_argument", f"depth must be between 1 and {_MAX_DEPTH}")
-    entries: list[dict] = []
+    encoded: list[bytes] = []
+    listed = 0
     level = [_path(message.get("path"))]
     for _ in range(depth):
         below = []
         for directory in level:
             async with contextlib.aclosing(engine.list_dir(sandbox_id, directory)) as batches:
                 async for batch in batches:
-                    for entry in batch:
-                        entries.append(_entry(entry))
-                        if entry["type"] == "dir":
-                            below.append(entry["path"])
-                    if len(entries) > _MAX_LISTED:
+                    listed += len(batch)
+                    if listed > _MAX_LISTED:
                         raise RpcError("resource_exhausted", f"more than {_MAX_LISTED} "
                                        "entries: list with a smaller depth")
+                    if batch:
+                        encoded.append(dumps([_entry(entry) for entry in batch])[1:-1])
+                    below += [entry["path"] for entry in batch if entry["type"] == "dir"]
         level = below
-    return {"entries": entries}
+    return b'{"entries":[' + b",".join(encoded) + b"]}"
 
 
 @_unary("/filesystem.Filesystem/MakeDir")
