@@ -431,3 +431,30 @@ def test_output_events_for_a_listing_end_only_that_sandbox(daemon: Daemon,
     assert daemon.run(victim, "1").status_code == 410  # that sandbox's channel is closed
     assert_others_fine(daemon, other)
     assert_closed_cleanly(daemon, victim, pids)
+
+
+@pytest.mark.parametrize("what", ["download", "listing"])
+def test_a_download_or_listing_its_client_left_stops_and_the_repl_lives(
+        daemon: Daemon, make: Callable[..., str], what: str) -> None:
+    """A client that leaves a download of a 3 GiB file (or a listing of 200,000 entries)
+    after its first bytes: the agent read on for nobody, the daemon drained past 1 GiB
+    and then cut the sandbox's channel, its REPL and state lost. Now the REPL is
+    interrupted (SIGINT: the read stops at its next chunk) and serves the next call
+    with its state."""
+    victim = make()
+    made = daemon.run(victim, "import os\nkept = 'state'\n" + (
+        "with open('/tmp/big', 'wb') as f:\n    f.truncate(3 << 30)" if what == "download"
+        else "os.makedirs('/tmp/wide')\nfor i in range(200_000):\n"
+             "    open(f'/tmp/wide/{i}', 'w').close()"), timeout=300)
+    assert made.status_code == 200 and "error\":null" in made.text, made.text
+    path, target = ("/files", "/tmp/big") if what == "download" else ("/files/list", "/tmp/wide")
+    with httpx.Client(base_url=daemon.url, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as client, \
+            client.stream("GET", f"/v1/sandboxes/{victim}{path}",
+                          params={"path": target}) as reply:
+        assert reply.status_code == 200, reply.read()
+        next(reply.iter_raw(1 << 12))
+    started = time.monotonic()
+    reply = daemon.run(victim, "kept", timeout=60)
+    assert reply.status_code == 200 and "'state'" in reply.text, reply.text
+    assert time.monotonic() - started < LIVE

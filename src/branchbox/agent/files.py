@@ -105,6 +105,7 @@ def handle_read(agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None
             raise RequestError("InvalidRequest", f"not a regular file: {path}")
         size = 0
         while chunk := os.read(fd, protocol.CHUNK):
+            agent.check_interrupted()  # nobody reads on: a file may be of any size
             agent.event(rid, "chunk", chunk)
             size += len(chunk)
     finally:
@@ -128,7 +129,9 @@ def handle_list(agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None
             raise RequestError("InvalidRequest", f"not a directory: {path}")
         entries = []
         with os.scandir(path) as it:
-            for item in it:
+            for n, item in enumerate(it):
+                if n % 4096 == 0:
+                    agent.check_interrupted()  # nobody waits for it any more
                 # An entry removed between readdir and lstat is simply no longer listed.
                 with contextlib.suppress(FileNotFoundError):
                     st = item.stat(follow_symlinks=False)
@@ -139,6 +142,7 @@ def handle_list(agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None
     for entry in entries:
         encoded = json.dumps(entry)  # ASCII: a name that is not UTF-8 as \udcXX escapes
         if batch and size + len(encoded) + 2 > LIST_CHUNK:
+            agent.check_interrupted()
             agent.event(rid, "chunk", f"[{','.join(batch)}]".encode())
             batch, size = [], 0
         batch.append(encoded)

@@ -11,7 +11,6 @@ import fcntl
 import os
 import signal
 import socket
-import types
 from collections.abc import Callable
 
 from .checkpointing import handle_checkpoint
@@ -80,10 +79,10 @@ def run(ctrl_fd: int) -> None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=ctrl_fd)
     sock.setblocking(True)
     sock.set_inheritable(False)  # user code's os.system() must not inherit the channel
-    # A ^C meant for user code that arrives between calls must not end the agent; a Python
-    # handler rather than SIG_IGN, because an ignored SIGINT would be inherited by commands.
-    signal.signal(signal.SIGINT, _ignore_signal)
     agent = Agent(sock)
+    # A ^C meant for user code that arrives between calls must not end the agent; during
+    # a file read or a listing it stops that (the daemon's caller went away).
+    signal.signal(signal.SIGINT, agent.note_interrupt)
     register_ops(agent, spawner=spawner_fd)
     agent.register("fork_slot", handle_fork_slot)
     agent.register("fork", handle_fork)
@@ -125,7 +124,3 @@ def _is_open(fd: int) -> bool:
     except OSError:
         return False
     return True
-
-
-def _ignore_signal(signum: int, frame: types.FrameType | None) -> None:
-    """SIGINT between calls: nothing to interrupt."""

@@ -163,6 +163,7 @@ class Agent:
         self._timers: list[Timer] = []
         self._fork_hooks: list[Callable[[], None]] = []
         self._sending = 0
+        self.interrupted = False  # a SIGINT came since this request began
         self._selector = self._new_selector()
 
     def _new_selector(self) -> selectors.BaseSelector:
@@ -209,6 +210,17 @@ class Agent:
         anything (the inherited selector is already gone when it runs).
         """
         self._fork_hooks.append(hook)
+
+    def note_interrupt(self, signum: int, frame: Any) -> None:
+        """SIGINT outside run_code: the daemon gave up on the request under way (a file
+        read or a listing nobody reads any more); its handler stops at its next check.
+        A Python handler, not SIG_IGN, which commands would inherit."""
+        self.interrupted = True
+
+    def check_interrupted(self) -> None:
+        """Raise if the daemon gave up on the request under way (see note_interrupt)."""
+        if self.interrupted:
+            raise RequestError("Cancelled", "the caller went away")
 
     @property
     def sending(self) -> bool:
@@ -290,6 +302,7 @@ class Agent:
             problem = "rid must be an integer" if handler else f"unknown op {op!r}"
             self.fail(rid, "InvalidRequest", problem)
             return
+        self.interrupted = False  # a SIGINT before this request was for an earlier one
         try:
             handler(self, header, payload, fds)
         except RequestError as exc:

@@ -56,7 +56,7 @@ from branchbox.engine.warm import WARM_CWD, WarmPool
 from branchbox.engine.workspaces import Workspaces
 from branchbox.runtime import procfs, rootfs, smaps
 from branchbox.runtime.cgroups import Limits, SandboxCgroup, favor_dynamic_moves
-from branchbox.runtime.channel import AgentChannel, AgentError, interrupt_repl
+from branchbox.runtime.channel import INTERRUPTIBLE, AgentChannel, AgentError, interrupt_repl
 from branchbox.runtime.family import (
     Family,
     SpawnError,
@@ -636,10 +636,10 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
         self.records.put(sb.record)
 
     def _on_abandon(self, body: Body, op: str | None, rid: int) -> None:
-        """A request whose caller went away: a ``run_code`` is interrupted, a foreground
-        command is killed, so neither runs on (holding the sandbox) for nobody; a follow of
-        a background command just ends."""
-        if op == "run_code":
+        """A request whose caller went away: a ``run_code``, a file read or a listing is
+        interrupted, a foreground command is killed, so none runs on (holding the sandbox)
+        for nobody; a follow of a background command just ends."""
+        if op in INTERRUPTIBLE:
             interrupt_repl(body.cgroup, op)
         elif op in ("exec", "follow") and body.channel is not None:
             self._track(asyncio.get_running_loop().create_task(self._cancel(body.channel, rid)))

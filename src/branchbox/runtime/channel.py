@@ -218,17 +218,22 @@ def _check(header: object, payload: bytes) -> tuple[int, str, int]:
     raise ProtocolViolation(f"unknown event kind {ev!r}"[:200])
 
 
+INTERRUPTIBLE = {"run_code", "read", "list"}
+"""Requests the REPL's main thread works on until their end, which SIGINT stops: user
+code (KeyboardInterrupt), and a file read or a listing (the agent checks between chunks)."""
+
+
 def interrupt_repl(cgroup: SandboxCgroup, op: str | None) -> None:
-    """``on_abandon`` for a sandbox: a ``run_code`` nobody waits for is interrupted (SIGINT
-    raises KeyboardInterrupt in user code), so its REPL is free for the next call instead
-    of running on for ever. Other requests end on their own (commands have timeouts, a
-    file read its file's end) and their output is dropped meanwhile.
+    """Stop an :data:`INTERRUPTIBLE` request nobody waits for any more with SIGINT, so
+    the REPL is free for the next call instead of working on for ever (a read of a file
+    past 1 GiB went on past what the daemon drains for nobody, and the sandbox's channel
+    was cut: its REPL lost). Other requests end on their own or by a ``cancel``.
 
     The REPL's host pid comes from the sandbox's ``repl`` cgroup leaf; a pidfd taken
     before the membership is checked again makes sure the signal reaches that process and
     not one that reused its pid.
     """
-    if op != "run_code":
+    if op not in INTERRUPTIBLE:
         return
     for directory in cgroup.dirs:
         procs = directory / "repl" / "cgroup.procs"
