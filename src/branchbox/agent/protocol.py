@@ -22,7 +22,7 @@ import socket
 import struct
 
 _HEAD = struct.Struct("!II")
-VERSION = 2  # 2: a listing comes as chunks of entries
+VERSION = 2  # 2: a listing comes as chunks of entries; SIGINT stops a read or listing
 """What the daemon and the agent say to each other, as one number: raise it with any
 change a daemon or an agent of the other version would misread (an op, a field, a
 fork slot's fds). A family's REPLs all run the agent its first REPL started with, and

@@ -68,9 +68,10 @@ QUEUE_FRAMES = 256
 QUEUE_BYTES = 8 * 1024 * 1024
 """Bytes one request may have waiting (one larger frame is still taken into an empty queue)."""
 MAX_EVENT_DATA = 2 * 1024 * 1024
+"""Characters of ``data`` in one stdout/stderr event (the agent sends at most 1 Mi; the
+daemon joins queued ones up to this)."""
 READ_SLICE = 0.001
 """Seconds the reader goes on reading a socket that has data before it yields."""
-"""Characters of ``data`` in one stdout/stderr event (the agent sends at most 1 Mi)."""
 OUTPUT_SLACK = 1024 * 1024
 """Characters past a request's ``max_output`` the agent may send (markers, decoder tails)."""
 FRAME_SLACK = 1024

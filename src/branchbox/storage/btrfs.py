@@ -67,13 +67,13 @@ DEV_STAT_NAMES = ("write_io_errs", "read_io_errs", "flush_io_errs", "corruption_
 # What changed between two read-only subvolumes, as the kernel's send stream without
 # file data: {s64 send_fd; u64 clone_sources_count; u64 *clone_sources; u64 parent_root;
 # u64 flags; u32 version; u8 reserved[28]}, 72 bytes. GET_SUBVOL_INFO's struct is 504
-# bytes: treeid at 0, generation at 280, uuid at 296, parent_uuid at 312.
+# bytes: treeid at 0, uuid at 296, parent_uuid at 312.
 BTRFS_IOC_SEND = 0x40489426  # _IOW(0x94, 38, struct btrfs_ioctl_send_args)
 BTRFS_SEND_FLAG_NO_FILE_DATA = 0x1
 _SEND_ARGS = struct.Struct("=qQQQQI28x")
 BTRFS_IOC_GET_SUBVOL_INFO = 0x81F8943C  # _IOR(0x94, 60, struct ..._get_subvol_info_args)
 _SUBVOL_INFO_SIZE = 504
-_INFO_TREEID_AT, _INFO_GENERATION_AT, _INFO_UUID_AT, _INFO_PARENT_UUID_AT = 0, 280, 296, 312
+_INFO_TREEID_AT, _INFO_UUID_AT, _INFO_PARENT_UUID_AT = 0, 296, 312
 
 # The root directory of every subvolume has this inode number; a plain
 # directory never does. It is how `btrfs subvolume show` tells them apart too.

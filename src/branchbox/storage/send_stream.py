@@ -3,7 +3,7 @@
 A fork's parent keeps writing to its own volume while its children stand on a
 snapshot of it, so a diff of parent and child has two unshared layers that are
 nearly the same: walking them both cost time in proportion to all the parent ever
-wrote (300,000 files: past the diff's 10 s budget, for a child that changed nothing).
+wrote (200,000 files: past the diff's 10 s budget, for a child that changed nothing).
 btrfs knows what differs: ``send`` compares the two trees and skips the blocks they
 share, so its stream (here without file data) costs what changed since the snapshot.
 This module turns that stream into paths.
