@@ -142,14 +142,19 @@ def handle_list(agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None
     for entry in entries:
         encoded = json.dumps(entry)  # ASCII: a name that is not UTF-8 as \udcXX escapes
         if batch and size + len(encoded) + 2 > LIST_CHUNK:
-            agent.check_interrupted()
-            agent.event(rid, "chunk", f"[{','.join(batch)}]".encode())
+            _send_entries(agent, rid, batch)
             batch, size = [], 0
         batch.append(encoded)
         size += len(encoded) + 1
     if batch:
-        agent.event(rid, "chunk", f"[{','.join(batch)}]".encode())
+        _send_entries(agent, rid, batch)
     agent.done(rid, {"count": len(entries)})
+
+
+def _send_entries(agent: Agent, rid: int, encoded: list[str]) -> None:
+    """One "chunk" of a listing: its entries (each JSON already) as a JSON array."""
+    agent.check_interrupted()  # nobody waits for it any more
+    agent.event(rid, "chunk", f"[{','.join(encoded)}]".encode())
 
 
 def handle_stat(agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None:
