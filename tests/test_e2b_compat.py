@@ -154,6 +154,36 @@ def test_wrong_key_and_unknown_sandbox(daemon: ServedDaemon) -> None:
                    "sandbox_plane": "AuthenticationException"}
 
 
+def test_a_killed_sandbox_is_not_running(daemon: ServedDaemon) -> None:
+    """After kill, the sandbox plane answers as E2B's proxy does (a 502, "was not found"):
+    ``is_running()`` is False and calls raise the SDKs' "not running" errors, not a
+    missing file or process."""
+    out = run(daemon, """
+        import json
+        from e2b import Sandbox, SandboxNotRunningException, TimeoutException
+        from e2b_code_interpreter import Sandbox as CodeSandbox
+        sbx = CodeSandbox.create()
+        seen = {"before": sbx.is_running()}
+        sbx.kill()
+        seen["after"] = sbx.is_running()
+        for name, call in (("command", lambda: sbx.commands.run("true")),
+                           ("read", lambda: sbx.files.read("/etc/hostname")),
+                           ("write", lambda: sbx.files.write("/tmp/x", "x")),
+                           ("list", lambda: sbx.files.list("/")),
+                           ("run_code", lambda: sbx.run_code("1"))):
+            try:
+                call()
+                seen[name] = "answered"
+            except (SandboxNotRunningException, TimeoutException) as exc:
+                seen[name] = type(exc).__name__
+        print(json.dumps(seen))
+    """)
+    assert out == {"before": True, "after": False, "command": "SandboxNotRunningException",
+                   "read": "SandboxNotRunningException",
+                   "write": "SandboxNotRunningException",
+                   "list": "SandboxNotRunningException", "run_code": "TimeoutException"}
+
+
 def test_commands(daemon: ServedDaemon) -> None:
     out = run(daemon, """
         import json, time

@@ -24,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from branchbox.engine import errors
+from branchbox.server.e2b_access import NOT_RUNNING
 from branchbox.server.errors import describe
 from branchbox.server.sandbox_json import SandboxJSON
 
@@ -60,6 +61,8 @@ def code_of(exc: BaseException) -> tuple[str, str]:
         return exc.code, exc.message
     if isinstance(exc, errors.SandboxTimeout):
         return "deadline_exceeded", exc.message
+    if isinstance(exc, errors.SandboxNotFound):  # E2B's proxy: a 502, "unavailable"
+        return "unavailable", NOT_RUNNING
     status, message, _ = describe(exc)
     return _CODE_OF_STATUS.get(status, "internal" if status >= 500 else "unknown"), message
 

@@ -10,7 +10,11 @@ comes with its own create response. A daemon without keys checks nothing, as
 for every other route.
 
 The sandbox is named by the ``E2b-Sandbox-Id`` header (``E2B_SANDBOX_URL`` mode), or
-by a ``<port>-<sandbox id>.<domain>`` Host (E2B's own addressing).
+by a ``<port>-<sandbox id>.<domain>`` Host (E2B's own addressing). A sandbox that is
+not there (killed, past its timeout) is a 502 saying it "was not found" on this plane,
+as E2B's proxy answers: its SDKs read that as "not running" (``is_running()`` is
+False, calls raise ``SandboxNotRunningException``), where a 404 would read as a
+missing file or process.
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ from branchbox.server.errors import AuthError
 
 _HOST = re.compile(r"^(\d{1,5})-(sbx_[0-9a-f]{32})\.")
 _ID = re.compile(r"^sbx_[0-9a-f]{32}$")
+
+
+NOT_RUNNING = "the sandbox was not found"
+NOT_RUNNING_STATUS = 502
 
 
 def _secret(keys: frozenset[str]) -> bytes:

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from branchbox.engine import errors
 from branchbox.engine.sandboxes import Engine
 from branchbox.server.deps import EngineDep
-from branchbox.server.e2b_access import access_token
+from branchbox.server.e2b_access import NOT_RUNNING, NOT_RUNNING_STATUS, access_token
 from branchbox.server.errors import describe, validation_message
 from branchbox.server.sandbox_json import SandboxJSON
 
@@ -59,10 +59,25 @@ class E2BRoute(APIRoute):
             except RequestValidationError as exc:
                 return e2b_error(400, validation_message(exc))
             except errors.EngineError as exc:
-                status, message, _ = describe(exc)
-                return e2b_error(status, message)
+                return self.failure(exc)
 
         return handle
+
+    @staticmethod
+    def failure(exc: errors.EngineError) -> Response:
+        status, message, _ = describe(exc)
+        return e2b_error(status, message)
+
+
+class E2BSandboxRoute(E2BRoute):
+    """A route of E2B's sandbox plane: as the control plane's, except that a sandbox not
+    there is E2B's proxy's 502 (``e2b_access.NOT_RUNNING``), not a 404."""
+
+    @staticmethod
+    def failure(exc: errors.EngineError) -> Response:
+        if isinstance(exc, errors.SandboxNotFound):
+            return e2b_error(NOT_RUNNING_STATUS, NOT_RUNNING)
+        return E2BRoute.failure(exc)
 
 
 def e2b_error(status: int, message: str) -> JSONResponse:

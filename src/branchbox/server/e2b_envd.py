@@ -38,14 +38,13 @@ from branchbox.server import connect_rpc
 from branchbox.server.connect_rpc import RpcError
 from branchbox.server.deps import EngineDep
 from branchbox.server.e2b_access import SandboxId
-from branchbox.server.e2b_control import E2B_HOME, e2b_error
-from branchbox.server.errors import describe
+from branchbox.server.e2b_control import E2B_HOME, E2BSandboxRoute
 from branchbox.server.files import _limited, _too_large
 from branchbox.server.models import check_sandbox_path
 from branchbox.server.sandbox_json import SandboxJSON, dumps
 from branchbox.server.streams import bytes_response, opened
 
-router = APIRouter(tags=["e2b sandbox"], include_in_schema=False)
+router = APIRouter(tags=["e2b sandbox"], include_in_schema=False, route_class=E2BSandboxRoute)
 
 _SIGNALS = {"SIGNAL_SIGKILL": signal.SIGKILL, "SIGNAL_SIGTERM": signal.SIGTERM,
             9: signal.SIGKILL, 15: signal.SIGTERM}
@@ -417,5 +416,4 @@ async def _chunks(read: Callable[[int], Awaitable[bytes]]) -> AsyncIterator[byte
 
 def _files_error(exc: errors.EngineError) -> Response:
     """E2B's envd answers /files failures with a status and ``{"code", "message"}``."""
-    status, message, _ = describe(exc)
-    return e2b_error(status, message)
+    return E2BSandboxRoute.failure(exc)

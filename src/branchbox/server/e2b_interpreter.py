@@ -25,11 +25,11 @@ from pydantic import Field
 from branchbox.engine import errors
 from branchbox.server.deps import EngineDep
 from branchbox.server.e2b_access import SandboxId
-from branchbox.server.e2b_control import E2B_HOME, E2BBody, E2BRoute
+from branchbox.server.e2b_control import E2B_HOME, E2BBody, E2BSandboxRoute
 from branchbox.server.streams import ndjson_response
 
 router = APIRouter(tags=["e2b code interpreter"], include_in_schema=False,
-                   route_class=E2BRoute)
+                   route_class=E2BSandboxRoute)
 
 # Our mime types and E2B's result field names.
 _FORMATS = {"text/plain": "text", "text/html": "html", "text/markdown": "markdown",
