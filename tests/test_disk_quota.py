@@ -61,6 +61,24 @@ def test_the_default_limit_applies_and_is_reported(make, harness) -> None:
     assert harness.engine.info(sb.id)["disk_mb"] == expected
 
 
+def test_metrics_count_what_the_sandbox_wrote_against_its_limit(make, harness) -> None:
+    """``Engine.metrics`` (E2B's ``get_metrics``): the bytes the sandbox's own volume holds,
+    from its quota group, and its limit; a fork child shares its parent's bytes without
+    being charged them. The copy store counts nothing per volume: None of None."""
+    sb = make(disk_mb=None if harness.backend == "copy" else 256)
+    assert dd(sb, "/root/forty", 40).exit_code == 0
+    sample = portal.run(harness.engine.metrics(sb.id))
+    if harness.backend == "copy":
+        assert (sample.disk_bytes, sample.disk_limit_bytes) == (None, None)
+        return
+    assert 40 << 20 <= sample.disk_bytes < 48 << 20 and sample.disk_limit_bytes == 256 << 20
+    [child] = sb.fork(1)
+    try:
+        assert portal.run(harness.engine.metrics(child.id)).disk_bytes < 1 << 20
+    finally:
+        child.close()
+
+
 def test_fork_children_inherit_the_limit_and_write_up_to_their_own(make, harness) -> None:
     if refused_on_copy(harness, disk_mb=64):
         return

@@ -390,6 +390,50 @@ def test_run_code(daemon: ServedDaemon) -> None:
     assert out["timed_out"] is True and out["alive"] == "np.int64(9)"
 
 
+def test_metrics(daemon: ServedDaemon) -> None:
+    """``get_metrics``: a sample of the sandbox's CPU share since its previous sample,
+    memory and page cache against its limit, disk against its limit (test_disk_quota has
+    it on btrfs); the bulk route answers the sandboxes that exist."""
+    out = run(daemon, """
+        import json, datetime
+        from e2b import Sandbox, SandboxNotFoundException
+        sbx = Sandbox.create()
+        first = sbx.get_metrics()
+        sbx.commands.run("python3 -c 'sum(range(3 * 10**7))'; "
+                         "head -c 50000000 /dev/urandom > /root/f; sync")
+        [busy] = sbx.get_metrics()
+        [idle] = Sandbox.get_metrics(sbx.sandbox_id)
+        past = sbx.get_metrics(end=datetime.datetime(2020, 1, 1))
+        sbx.kill()
+        try:
+            Sandbox.get_metrics(sbx.sandbox_id)
+            gone = "answered"
+        except SandboxNotFoundException:
+            gone = "SandboxNotFoundException"
+        print(json.dumps({"first": len(first), "busy": busy.cpu_used_pct,
+                          "idle": idle.cpu_used_pct, "cpus": busy.cpu_count,
+                          "mem": [busy.mem_used, busy.mem_cache, busy.mem_total],
+                          "disk": [busy.disk_used, busy.disk_total],
+                          "past": len(past), "gone": gone, "id": sbx.sandbox_id}))
+    """)
+    assert out["first"] == 1 and out["past"] == 0 and out["gone"] == "SandboxNotFoundException"
+    assert out["busy"] > 5 and out["idle"] < out["busy"] and out["cpus"] >= 1
+    used, cache, total = out["mem"]
+    assert 0 < cache <= used < total == 4096 << 20  # the daemon's default memory limit
+    assert out["disk"] == [0, 0]  # this daemon's copy store neither counts nor bounds disk
+    with httpx.Client(base_url=daemon.url, headers={"X-API-Key": API_KEY}) as http:
+        made = http.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+        bulk = http.get("/sandboxes/metrics",
+                        params={"sandbox_ids": f"{out['id']},{made},{MISSING}"}).json()
+        too_many = http.get("/sandboxes/metrics",
+                            params={"sandbox_ids": ",".join(f"sbx_{i:032x}"
+                                                            for i in range(101))})
+        http.delete(f"/sandboxes/{made}")
+    assert list(bulk["sandboxes"]) == [made]
+    assert bulk["sandboxes"][made]["memUsed"] > 0
+    assert too_many.status_code == 400 and "at most 100" in too_many.json()["message"]
+
+
 def test_fork_count(daemon: ServedDaemon) -> None:
     out = run(daemon, """
         import json

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from branchbox.engine.layers import (
     LayerStack,
 )
+from branchbox.engine.metrics import CpuMark
 from branchbox.engine.records import SandboxRecord
 from branchbox.runtime.cgroups import SandboxCgroup
 from branchbox.runtime.channel import AgentChannel
@@ -54,6 +55,7 @@ class Live:
     watcher: asyncio.Task | None = None
     last_fork: dict | None = None  # timings of the latest fork, seconds (for info and bench)
     last_used: float = field(default_factory=time.monotonic)  # for the idle timeout
+    cpu_mark: CpuMark | None = None  # its latest metrics sample's CPU time (engine.metrics)
 
     @property
     def id(self) -> str:

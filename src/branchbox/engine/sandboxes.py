@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from branchbox.agent.protocol import ChannelClosed
-from branchbox.engine import errors, listing
+from branchbox.engine import errors, listing, metrics
 from branchbox.engine.branching import Branching
 from branchbox.engine.checkpoints import Checkpoint, Checkpoints
 from branchbox.engine.config import EngineConfig
@@ -276,6 +276,20 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
         if (sb := self.live.get(sandbox_id)) is not None:  # (a stopped one uses nothing)
             info["resources"] = await asyncio.to_thread(_usage, sb.body)
         return info
+
+    async def metrics(self, sandbox_id: str) -> metrics.Sample:
+        """One sample of what the sandbox uses (``engine/metrics``), its CPU share counted
+        from the sandbox's previous sample."""
+        sb = self.get(sandbox_id)
+        body = sb.body
+        try:
+            reading = await asyncio.to_thread(metrics.read, body, self.store.used)
+        except OSError:  # its cgroup went with it: closed meanwhile
+            raise errors.SandboxNotFound() from None
+        limit = self._limits(sb.record.meta.get("memory_mb")).memory_bytes
+        out = metrics.sample(body, reading, sb.cpu_mark, sb.record.created, limit)
+        sb.cpu_mark = metrics.CpuMark(body.key, out.at, reading[0])
+        return out
 
     async def infos(self) -> list[dict]:
         """The info of every live sandbox, then every stopped one (a list): the resource

@@ -248,6 +248,16 @@ class SandboxCgroup:
         name = "memory.current" if self.version == 2 else "memory.usage_in_bytes"
         return int(self._file("memory", name).read_text())
 
+    def memory_cache_bytes(self) -> int:
+        """The page cache charged to the sandbox (part of :meth:`memory_bytes`): files it
+        read or wrote, which the kernel takes back under pressure."""
+        key = "file" if self.version == 2 else "total_cache"
+        for line in self._file("memory", "memory.stat").read_text().splitlines():
+            field, _, value = line.partition(" ")
+            if field == key:
+                return int(value)
+        return 0
+
     def cpu_seconds(self) -> float:
         """CPU time the sandbox used. v2 counts all that ever ran in it; v1's cpu controller
         has no counter without cpuacct (a hierarchy of its own), so there it is the time of

@@ -1,5 +1,5 @@
 """E2B's control plane (``E2B_API_URL``): create, get, list, kill, timeout, connect, fork,
-pause, resume, network -- the REST routes E2B's published SDK calls, onto the engine.
+pause, resume, network, metrics -- the REST routes E2B's published SDK calls, onto the engine.
 
 Shapes follow the SDK's generated client (``e2b/api/client``): camelCase JSON,
 ``{"code", "message"}`` errors (plus our ``error``), 201 on create and fork,
@@ -16,6 +16,7 @@ the client turns it off (E2B's default, unlike branchbox's own); E2B's fork with
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import urllib.parse
 from collections.abc import Callable, Coroutine
@@ -29,6 +30,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
 from branchbox.engine import errors
+from branchbox.engine.metrics import Sample
 from branchbox.engine.sandboxes import Engine
 from branchbox.server.deps import EngineDep
 from branchbox.server.e2b_access import NOT_RUNNING, NOT_RUNNING_STATUS, access_token
@@ -44,6 +46,7 @@ DEFAULT_TEMPLATES = frozenset({"base", "code-interpreter-v1", "code-interpreter"
 E2B_HOME = "/home/user"
 _DEFAULT_TIMEOUT = 15  # seconds: E2B's API default when a client sends none
 _PAGE = 100
+_METRICS_IDS = 100  # sandboxes of one metrics call (E2B's own limit)
 
 
 class E2BRoute(APIRoute):
@@ -168,6 +171,44 @@ async def create(body: NewSandbox, request: Request, engine: EngineDep) -> dict:
                              internet=internet, network=network)
     engine.set_labels(sb.id, body.metadata or {})
     return _created(request, engine, sb.id)
+
+
+# Before /sandboxes/{sandbox_id}, which would take "metrics" for an id.
+@router.get("/sandboxes/metrics")
+async def metrics_of_many(engine: EngineDep, sandbox_ids: Annotated[
+        str, Query(max_length=_METRICS_IDS * 40)]) -> dict:
+    """A metrics sample of each named sandbox that exists (comma-separated ids, at most
+    ``_METRICS_IDS``): E2B's ``SandboxesWithMetrics``."""
+    ids = list(dict.fromkeys(i for i in sandbox_ids.split(",") if i))
+    if len(ids) > _METRICS_IDS:
+        raise errors.InvalidRequest(f"at most {_METRICS_IDS} sandbox ids at once")
+    found = {}
+    for sandbox_id in ids:
+        with contextlib.suppress(errors.SandboxNotFound):
+            found[sandbox_id] = _metric(await engine.metrics(sandbox_id))
+    return {"sandboxes": found}
+
+
+@router.get("/sandboxes/{sandbox_id}/metrics")
+async def metrics(sandbox_id: str, engine: EngineDep,
+                  start: Annotated[int | None, Query(ge=0)] = None,
+                  end: Annotated[int | None, Query(ge=0)] = None) -> list[dict]:
+    """E2B's metrics of one sandbox between ``start`` and ``end`` (unix seconds): here one
+    sample, taken now (none if now is outside them). E2B keeps a series sampled every 5
+    s; this daemon samples when asked (``engine/metrics``)."""
+    sample = await engine.metrics(sandbox_id)
+    if (start is not None and sample.at < start) or (end is not None and sample.at > end + 1):
+        return []
+    return [_metric(sample)]
+
+
+def _metric(sample: Sample) -> dict:
+    """E2B's ``SandboxMetric``: a disk the store does not count or bound is 0 of 0."""
+    return {"timestamp": _iso(sample.at), "timestampUnix": int(sample.at),
+            "cpuCount": sample.cpu_count, "cpuUsedPct": sample.cpu_used_pct,
+            "memUsed": sample.memory_bytes, "memTotal": sample.memory_limit_bytes,
+            "memCache": sample.memory_cache_bytes, "diskUsed": sample.disk_bytes or 0,
+            "diskTotal": sample.disk_limit_bytes or 0}
 
 
 @router.get("/sandboxes/{sandbox_id}")

@@ -123,6 +123,12 @@ class Store:
             raise QuotaUnsupported(self.no_quota)
         btrfs.set_limit(volume, max_bytes)
 
+    def used(self, volume: Path) -> int | None:
+        """The bytes ``volume`` holds of its own (what its limit bounds); None on a store
+        without quotas, which counts nothing per volume (and walking a volume to add up
+        its files would cost what it holds)."""
+        return None if self.quota is None else btrfs.exclusive_bytes(volume)
+
     def capacity(self) -> int:
         """Bytes the store's filesystem holds in all (no limit above it means anything)."""
         st = os.statvfs(self.root)

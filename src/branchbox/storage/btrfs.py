@@ -261,9 +261,27 @@ def set_limit(path: Path | str, max_bytes: int | None) -> None:
 def quota_mode(path: Path | str) -> str:
     """"simple", "qgroup" or "disabled": the quota mode of the filesystem holding ``path``.
 
-    Read from sysfs (``/sys/fs/btrfs/<fsid>/qgroups/mode``, kernel 6.7+); the fsid
-    comes from BTRFS_IOC_FS_INFO. "disabled" also when sysfs does not say.
+    Read from sysfs (``/sys/fs/btrfs/<fsid>/qgroups/mode``, kernel 6.7+). "disabled"
+    also when sysfs does not say.
     """
+    try:
+        with open(f"{_sysfs_dir(path)}/qgroups/mode") as f:
+            return f.read().strip()
+    except OSError:
+        return "disabled"
+
+
+def exclusive_bytes(path: Path | str) -> int:
+    """The bytes subvolume ``path`` holds alone, as its quota group counts them: what
+    :func:`set_limit` bounds. Read from sysfs (``qgroups/0_<tree id>/exclusive``), so
+    quotas must be on; raises OSError otherwise."""
+    treeid = subvolume_info(path).treeid
+    with open(f"{_sysfs_dir(path)}/qgroups/0_{treeid}/exclusive") as f:
+        return int(f.read())
+
+
+def _sysfs_dir(path: Path | str) -> str:
+    """``/sys/fs/btrfs/<fsid>`` of the filesystem holding ``path`` (BTRFS_IOC_FS_INFO)."""
     fd = _open_dir(path)
     try:
         info = bytearray(_FS_INFO_SIZE)
@@ -271,12 +289,7 @@ def quota_mode(path: Path | str) -> str:
     finally:
         os.close(fd)
     fsid = info[_FS_INFO_FSID_AT : _FS_INFO_FSID_AT + 16].hex()
-    uuid = f"{fsid[:8]}-{fsid[8:12]}-{fsid[12:16]}-{fsid[16:20]}-{fsid[20:]}"
-    try:
-        with open(f"/sys/fs/btrfs/{uuid}/qgroups/mode") as f:
-            return f.read().strip()
-    except OSError:
-        return "disabled"
+    return f"/sys/fs/btrfs/{fsid[:8]}-{fsid[8:12]}-{fsid[12:16]}-{fsid[16:20]}-{fsid[20:]}"
 
 
 def resize(path: Path | str, size: int | None, devid: int = 1) -> None:
