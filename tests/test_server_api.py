@@ -155,8 +155,13 @@ async def test_unknown_sandbox_is_404(client: httpx.AsyncClient, method: str, pa
 
 
 async def test_unknown_endpoint_is_json(client: httpx.AsyncClient) -> None:
-    assert_error(await client.get("/v1/nothing"), 404, "EndpointNotFound")
-    assert_error(await client.put("/v1/healthz"), 405, "MethodNotAllowed")
+    """Our error, and E2B's ``code`` and ``message`` beside it: E2B's SDKs call routes of
+    theirs this server does not serve and read those."""
+    for reply, status, kind in ((await client.get("/v1/nothing"), 404, "EndpointNotFound"),
+                                (await client.put("/v1/healthz"), 405, "MethodNotAllowed")):
+        body = reply.json()
+        assert (body.pop("code"), body.pop("message")) == (status, body["error"])
+        assert_error(httpx.Response(status, json=body), status, kind)
 
 
 # --------------------------------------------------------------------------- bad input

@@ -121,6 +121,11 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code in (404, 405):
             message = (f"no endpoint {request.method} {request.url.path} "
                        "(is the server older than the client?)")
+            # E2B's SDKs call routes this server does not serve (templates, volumes...)
+            # and read their error's ``code`` and ``message``: without them they fail
+            # on a KeyError instead of saying which endpoint is missing.
+            return SandboxJSON({"error": message, "type": kind, "code": exc.status_code,
+                                "message": message}, status_code=exc.status_code)
         return error_response(exc.status_code, message, kind)
 
     app.add_exception_handler(errors.EngineError, engine_error)
