@@ -64,6 +64,8 @@ class Channel:
         self.sock = sock
         self._rid = 0
         self.backlog: dict[int, list[tuple[dict, bytes]]] = {}
+        self.blobs: dict[int, list[bytes]] = {}  # by rid: blob events for its next header
+        self.headers: list[bytes] = []  # every header received, as sent
 
     def send(self, op: str, payload: bytes = b"", fds: list[int] = (), **fields: object) -> int:
         self._rid += 1
@@ -78,6 +80,11 @@ class Channel:
         """The next frame of request ``rid`` (frames of other requests are kept for later)."""
         while not self.backlog.get(rid):
             header, payload, _fds = protocol.recv(self.sock)
+            self.headers.append(protocol.encode(header)[8:])
+            if header["ev"] == "blob":  # as the daemon's channel: held for the header
+                self.blobs.setdefault(header["rid"], []).append(payload)
+                continue
+            header = protocol.unspill(header, b"".join(self.blobs.pop(header["rid"], [])))
             self.backlog.setdefault(header["rid"], []).append((header, payload))
         return self.backlog[rid].pop(0)
 
@@ -304,6 +311,26 @@ def test_an_answer_too_large_for_one_frame_is_cut_and_the_repl_lives(
     assert agent.run("print(kept)")[0] == "42\n"
 
 
+def test_long_answers_go_ahead_as_blobs_and_come_back_whole(agent: AgentProcess) -> None:
+    """The daemon decodes a sandbox's headers on its one event loop, so it takes them up
+    to 1 MiB and 100,000 values: a long result (HTML of 3 MiB with text JSON escapes six
+    times over, a lone surrogate, a text of 300,000 commas) goes ahead as blob events,
+    and the answer comes back exactly as it was."""
+    html = ("é<b>" * (750 << 10)) + "\udcff"
+    code = ("class Page:\n"
+            "    def _repr_html_(self): return " + repr(html) + "\n"
+            "    def __repr__(self): return ',' * 300_000\n"
+            "Page()")
+    before = len(agent.headers)
+    _out, _err, result = agent.run(code)
+    assert result["results"]["text/html"] == html
+    assert result["text"] == "," * 300_000
+    sent = agent.headers[before:]
+    assert any(b'"ev":"blob"' in h for h in sent)
+    assert all(len(h) <= protocol.MAX_AGENT_HEADER
+               and protocol.tokens(h) <= protocol.MAX_AGENT_TOKENS for h in sent)
+
+
 def test_any_answer_too_large_for_a_frame_is_a_typed_failure(tmp_path: Path) -> None:
     """An answer past the frame limit made the daemon close the channel, and the REPL
     was gone (seen: an object whose ``_repr_html_`` is 100 MB). Every answer too large
@@ -314,7 +341,7 @@ def test_any_answer_too_large_for_a_frame_is_a_typed_failure(tmp_path: Path) -> 
     wide.mkdir()
     for i in range(20_000):
         (wide / f"f{i:07d}").touch()
-    small = ("from branchbox.agent import protocol\nprotocol.MAX_HEADER = 1 << 20\n"
+    small = ("from branchbox.agent import protocol\nprotocol.MAX_SPILLED = 1 << 20\n"
              + SCRIPT_AGENT)
     process = AgentProcess(["-c", small])
     try:

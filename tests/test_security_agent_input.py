@@ -224,8 +224,8 @@ def test_frames_past_the_output_budget_are_not_queued_without_bound(
     pids = daemon.processes(victim)
     code = HOSTILE + (
         "s = _ctrl()\n"
-        "blob = frame({'rid': _rid(), 'ev': 'stdout', 'data': 'x' * (1 << 20)})\n"
-        "for _ in range(400):\n"
+        "blob = frame({'rid': _rid(), 'ev': 'stdout', 'data': 'x' * (1 << 19)})\n"
+        "for _ in range(800):\n"
         "    s.sendall(blob)\n"
     )
     with Watch(daemon) as watch:
@@ -257,6 +257,24 @@ MALFORMED = {
     "result-is-a-list": "s.sendall(frame({'rid': _rid(), 'ev': 'done', 'result': [1]}))",
     "unknown-rid": "s.sendall(frame({'rid': 10**9, 'ev': 'done', 'result': {}}))",
     "unknown-event": "s.sendall(frame({'rid': _rid(), 'ev': 'zzz'}))",
+    # A header past 1 MiB, or of more than 100,000 values, is refused before json.loads
+    # pays for it: at 64 MiB of [[],...] one frame stopped every sandbox for seconds.
+    "header-past-1-MiB": "s.sendall(frame({'rid': _rid(), 'ev': 'stdout', "
+                         "'data': 'x' * (1 << 20)}))",
+    "too-many-values": "s.sendall(frame({'rid': _rid(), 'ev': 'done', "
+                       "'result': {'x': [[]] * 200_000}}))",
+    # Blobs (long strings sent ahead of their header) must be exactly what it names.
+    "blob-for-no-header": "r = _rid(); s.sendall(frame({'rid': r, 'ev': 'blob'}, b'abc') "
+                          "+ frame({'rid': r, 'ev': 'done', 'result': {}}))",
+    "blob-not-utf8": "r = _rid(); s.sendall(frame({'rid': r, 'ev': 'blob'}, b'\\xff\\xfe') "
+                     "+ frame({'rid': r, 'ev': 'done', 'result': {'t': None}, "
+                     "'blobs': [[['result', 't'], 2]]}))",
+    "blob-onto-a-value": "r = _rid(); s.sendall(frame({'rid': r, 'ev': 'blob'}, b'abc') "
+                         "+ frame({'rid': r, 'ev': 'done', 'result': {'t': 'x'}, "
+                         "'blobs': [[['result', 't'], 3]]}))",
+    "blob-past-its-bytes": "r = _rid(); s.sendall(frame({'rid': r, 'ev': 'blob'}, b'abc') "
+                           "+ frame({'rid': r, 'ev': 'done', 'result': {'t': None}, "
+                           "'blobs': [[['result', 't'], 4]]}))",
 }
 
 

@@ -46,10 +46,11 @@ _READ_SIZE = 64 * 1024
 _DRAIN_LIMIT = 1024 * 1024 + _READ_SIZE
 # Only without a pidfd (a kernel before 5.3): how often to look for the exit.
 _POLL_INTERVAL = 0.05
-# A wait result carries stdout and stderr inside the JSON header, where escapes can make text
-# up to six times longer than its bytes; the result is cut to stay below the frame limit.
-_RESULT_BUDGET = protocol.MAX_HEADER - 1024 * 1024
+# A wait result carries stdout and stderr, sent ahead of its header as blobs (at most
+# protocol.MAX_SPILLED bytes); cut to their JSON's size below that, which is cautious.
+_RESULT_BUDGET = protocol.MAX_SPILLED - 1024 * 1024
 _NOT_FOUND = b"command not found"
+_MAX_LISTED = 4096  # commands in a ps answer (the sandbox's pids limit is 1024 by default)
 
 
 class Process(Protocol):
@@ -572,7 +573,16 @@ class Commands:
         agent.done(req["rid"], {})
 
     def handle_ps(self, agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None:
-        """``ps``: the background commands not yet collected by a wait."""
+        """``ps``: the background commands not yet collected by a wait, in the order they
+        started; past :data:`_MAX_LISTED`, those running and then the latest finished
+        (an answer is bounded: ``protocol.MAX_AGENT_TOKENS``), and then ``omitted``: how many
+        were left out."""
+        shown = list(self.background.values())
+        if len(shown) > _MAX_LISTED:
+            running = {c.pid for c in shown if c.exit_code is None}
+            finished = [c.pid for c in shown if c.pid not in running]
+            keep = running | set(finished[len(finished) - max(0, _MAX_LISTED - len(running)):])
+            shown = [c for c in shown if c.pid in keep]
         commands = [
             {
                 "pid": c.pid,
@@ -582,9 +592,12 @@ class Commands:
                 "stdin": c.stdin is not None,
                 "pty": c.terminal,
             }
-            for c in self.background.values()
+            for c in shown
         ]
-        agent.done(req["rid"], {"commands": commands})
+        answer: dict = {"commands": commands}
+        if len(shown) < len(self.background):
+            answer["omitted"] = len(self.background) - len(shown)
+        agent.done(req["rid"], answer)
 
     def _find(self, req: dict) -> Command:
         pid = param(req, "pid", int)

@@ -11,6 +11,12 @@ the agent answers with any number of events ``{"rid": n, "ev": "<kind>", ...}``
 and exactly one final event, ``"ev": "done"`` (with ``"result"``) or
 ``"ev": "fail"`` (with ``"error": {"type", "message"}``).
 
+A header the daemon reads from a sandbox is small (:data:`MAX_AGENT_HEADER`):
+decoding JSON costs the daemon's one event loop time in proportion to the values
+it holds, so an answer with long strings (a cell's result, a command's kept
+output) sends them ahead as ``blob`` events (raw UTF-8 payloads) and names where
+they go (:func:`spill`, :func:`unspill`).
+
 Standard library only: this module runs inside the sandbox on the image's
 python3 as well as in the daemon.
 """
@@ -22,7 +28,7 @@ import socket
 import struct
 
 _HEAD = struct.Struct("!II")
-VERSION = 2  # 2: a listing comes as chunks of entries; SIGINT stops a read or listing
+VERSION = 3  # 2: a listing in chunks; SIGINT stops a read or listing. 3: spilled strings
 """What the daemon and the agent say to each other, as one number: raise it with any
 change a daemon or an agent of the other version would misread (an op, a field, a
 fork slot's fds). A family's REPLs all run the agent its first REPL started with, and
@@ -35,6 +41,19 @@ CHUNK = 1024 * 1024  # file data travels in frames of at most this many bytes
 # file data, in pieces of CHUNK.
 MAX_HEADER = 64 * 1024 * 1024
 MAX_PAYLOAD = 4 * CHUNK
+MAX_AGENT_HEADER = 1024 * 1024
+"""Bytes of a header the daemon takes from a sandbox. The rest of an answer travels as
+blobs. A header of nothing but tiny values (``[[],[],...]``) costs json.loads ~20-40 ms
+a MiB, all of it on the daemon's event loop: at the 64 MiB of MAX_HEADER, one frame
+written by user code stopped every sandbox of the daemon for seconds."""
+MAX_AGENT_TOKENS = 100_000
+"""Commas and opening brackets in such a header, counted before it is decoded. What
+json.loads costs is the values it makes (up to ~120 ns each for nested empty lists:
+12 ms at this many), and these bytes bound their number from above."""
+MAX_SPILLED = MAX_HEADER
+"""Bytes of the strings one header may have sent ahead as blobs."""
+_SPILLED_AT_LEAST = 256  # characters: shorter strings stay, unless they hold tokens
+_SPILL_DEPTH = 32  # containers deep: deeper strings stay (and may make a frame too large)
 
 
 class ChannelClosed(EOFError):
@@ -46,16 +65,138 @@ class FrameTooLarge(ValueError):
 
 
 def encode(header: dict, payload: bytes = b"") -> bytes:
-    head = json.dumps(header, separators=(",", ":")).encode()
+    head = _dumps(header)
     if len(head) > MAX_HEADER:
         raise FrameTooLarge(f"{len(head) / 2**20:.0f} MiB of JSON, more than the "
                             f"{MAX_HEADER >> 20} MiB a frame may carry")
     return _HEAD.pack(len(head), len(payload)) + head + payload
 
 
-def decode_header(prefix: bytes) -> tuple[int, int]:
+def spill(header: dict) -> tuple[dict, list[bytes]]:
+    """``header`` as it may be sent to the daemon: unchanged if its JSON fits
+    :data:`MAX_AGENT_HEADER` bytes and :data:`MAX_AGENT_TOKENS` (:func:`tokens`), else a
+    copy whose heaviest strings are None, named in ``"blobs"`` ([path, bytes] in
+    order), and those strings' UTF-8 (lone surrogates kept: non-UTF-8 file names), to
+    send first as blob events. Raises FrameTooLarge if even that does not fit."""
+    limit, max_tokens = MAX_AGENT_HEADER, MAX_AGENT_TOKENS
+    encoded = _dumps(header)
+    size, count = len(encoded), tokens(encoded)
+    if size <= limit and count <= max_tokens:
+        return header, []
+    found: list[tuple[list, str]] = []
+    _strings(header, [], found)
+    weighed = []
+    for path, text in found:
+        quoted = json.dumps(text).encode()
+        weighed.append((len(quoted) / limit + tokens(quoted) / max_tokens, path, text, quoted))
+    weighed.sort(key=lambda item: -item[0])
+    moved = []
+    for _, path, text, quoted in weighed:
+        if size <= limit and count <= max_tokens:
+            break
+        data = text.encode("utf-8", "surrogatepass")
+        entry = json.dumps([path, len(data)]).encode() + b","
+        size += len(entry) - len(quoted) + len(b"null")
+        count += tokens(entry) - tokens(quoted)
+        moved.append((path, data))
+    header = json.loads(encoded)  # a copy to punch holes in
+    for path, _ in moved:
+        _place(header, path, None)
+    header["blobs"] = [[path, len(data)] for path, data in moved]
+    encoded = _dumps(header)
+    if len(encoded) > limit or tokens(encoded) > max_tokens \
+            or sum(len(data) for _, data in moved) > MAX_SPILLED:
+        raise FrameTooLarge(f"{len(encoded) / 2**20:.1f} MiB of JSON ({tokens(encoded)} "
+                            f"values) besides its longest strings, more than a frame to the "
+                            f"daemon may carry ({limit >> 20} MiB, {max_tokens})")
+    return header, [data for _, data in moved]
+
+
+def tokens(encoded: bytes) -> int:
+    """Commas and opening brackets in JSON text: more than the values it holds, fewer
+    than none (string contents count too), and counted at memchr speed."""
+    return encoded.count(b",") + encoded.count(b"[") + encoded.count(b"{")
+
+
+def _strings(value: object, path: list, found: list[tuple[list, str]]) -> None:
+    if len(path) >= _SPILL_DEPTH:
+        return
+    items = ((k, v) for k, v in value.items() if type(k) is str) if isinstance(value, dict) \
+        else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(item, str) and (len(item) >= _SPILLED_AT_LEAST
+                                      or any(c in item for c in ",[{")):
+            found.append(([*path, key], item))
+        elif isinstance(item, dict | list):
+            _strings(item, [*path, key], found)
+
+
+def _place(header: dict, path: list, value: object) -> None:
+    """Set the value at ``path`` (keys and indexes) of ``header``, where one must be."""
+    target: object = header
+    for key in path[:-1]:
+        target = target[key]  # type: ignore[index]
+    if not isinstance(target, dict | list):
+        raise TypeError("not a container")
+    target[path[-1]]  # type: ignore[index]  # KeyError/IndexError: no such place
+    target[path[-1]] = value  # type: ignore[index]
+
+
+def unspill(header: dict, data: bytes) -> dict:
+    """``header`` with its ``"blobs"`` put back in place from ``data``, the payloads of the
+    blob events that came before it; ``header`` alone if it names none. Raises
+    ValueError unless the blobs are exactly ``data``, each valid UTF-8 for a place that
+    holds None (a forged header must not put a string where none was)."""
+    named = header.pop("blobs", None)
+    if named is None:
+        if data:
+            raise ValueError("blob events before a header that names none")
+        return header
+    if not isinstance(named, list) or not named:
+        raise ValueError("blobs must be a non-empty list")
+    at = 0
+    for item in named:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], list)
+                and 0 < len(item[0]) <= _SPILL_DEPTH
+                and all(type(key) in (str, int) for key in item[0])
+                and type(item[1]) is int and item[1] >= 0):
+            raise ValueError("a blob must be [path, bytes]")
+        path, size = item
+        if at + size > len(data):
+            raise ValueError("blobs name more bytes than came")
+        text = data[at : at + size].decode("utf-8", "surrogatepass")
+        at += size
+        try:
+            if _get(header, path) is not None:
+                raise ValueError("a blob's place holds a value already")
+            _place(header, path, text)
+        except (KeyError, IndexError, TypeError):
+            raise ValueError("a blob names a place the header does not have") from None
+    if at != len(data):
+        raise ValueError("blob events carried more bytes than the header names")
+    return header
+
+
+def _get(header: dict, path: list) -> object:
+    target: object = header
+    for key in path:
+        if isinstance(target, dict) and type(key) is str or \
+                isinstance(target, list) and type(key) is int and key >= 0:
+            target = target[key]  # type: ignore[index]
+        else:
+            raise TypeError("no such container")
+    return target
+
+
+def _dumps(header: dict) -> bytes:
+    return json.dumps(header, separators=(",", ":")).encode()
+
+
+def decode_header(prefix: bytes, max_header: int = MAX_HEADER) -> tuple[int, int]:
+    """(header, payload) lengths from a frame's prefix; ValueError past ``max_header`` or
+    :data:`MAX_PAYLOAD`."""
     hlen, plen = _HEAD.unpack(prefix)
-    if not 0 < hlen <= MAX_HEADER or plen > MAX_PAYLOAD:
+    if not 0 < hlen <= max_header or plen > MAX_PAYLOAD:
         raise ValueError(f"frame too large: header {hlen}, payload {plen}")
     return hlen, plen
 

@@ -53,10 +53,15 @@ MAX_REPR = 1024 * 1024
 """Characters of a trailing expression's repr kept in the result (JSON-escaped, a few MiB)."""
 
 _FLUSH_SIZE = 64 * 1024  # buffered characters that make a writer send without a newline
-_PIECE = 1024 * 1024  # characters per stdout/stderr event, so no frame grows huge
-# JSON bytes of rich results and figures one answer carries: the answer is one frame, and
-# a frame past protocol.MAX_HEADER ends the control channel, and with it the REPL.
+# Characters per stdout/stderr event: as JSON (6 bytes for a \uXXXX escape) still within
+# the header the daemon takes (protocol.MAX_AGENT_HEADER), so output never needs blobs.
+_PIECE = 128 * 1024
+# JSON bytes of rich results and figures one answer carries: their strings go ahead of
+# the answer's header as blobs, at most protocol.MAX_SPILLED bytes of them.
 MAX_RESULTS = 32 * 1024 * 1024
+# JSON bytes of rich results that are not strings (application/json): those stay in the
+# header, which the daemon takes up to protocol.MAX_AGENT_HEADER.
+MAX_STRUCTURED = 512 * 1024
 _READ_SIZE = 64 * 1024
 _RICH = (
     ("_repr_png_", "image/png"),
@@ -553,15 +558,16 @@ def _fit(outcome: _Outcome) -> str:
         if len(trace) > MAX_REPR:
             outcome.error["traceback"] = ("[branchbox: traceback truncated]\n"
                                           + trace[-MAX_REPR:])
-    room = MAX_RESULTS
+    room, structured = MAX_RESULTS, MAX_STRUCTURED
     dropped = []
     for mime, data in list(outcome.results.items()):
         size = _json_size(data)
-        if size > room:
+        if size > room or not isinstance(data, str) and size > structured:
             del outcome.results[mime]
             dropped.append(f"{mime} ({size / 2**20:.1f} MiB)")
         else:
             room -= size
+            structured -= 0 if isinstance(data, str) else size
     kept = []
     for figure in outcome.figures:
         size = sum(map(_json_size, figure.values()))
@@ -573,8 +579,8 @@ def _fit(outcome: _Outcome) -> str:
         outcome.figures = kept
     if not dropped:
         return ""
-    return (f"left out of the answer, past its {MAX_RESULTS >> 20} MiB of results: "
-            + ", ".join(dropped))
+    return (f"left out of the answer, past its {MAX_RESULTS >> 20} MiB of results (of which "
+            f"{MAX_STRUCTURED >> 10} KiB of JSON values other than text): " + ", ".join(dropped))
 
 
 def _json_size(data: Any) -> int:

@@ -246,8 +246,16 @@ class Agent:
         self._send({"rid": rid, "ev": "fail", "error": {"type": type, "message": message}})
 
     def _send(self, header: dict, payload: bytes = b"") -> None:
+        """Send a frame, its long strings first as blob events if the daemon would
+        refuse its header (``protocol.spill``); raises FrameTooLarge before sending
+        anything if even that is too large."""
+        header, blobs = protocol.spill(header)
         self._sending += 1
         try:
+            for blob in blobs:
+                for at in range(0, len(blob), protocol.CHUNK):
+                    protocol.send(self.sock, {"rid": header["rid"], "ev": "blob"},
+                                  blob[at : at + protocol.CHUNK])
             protocol.send(self.sock, header, payload)
         finally:
             self._sending -= 1

@@ -21,6 +21,13 @@ itself instead of trusting the agent's:
   can be large) but is paced by its reader: see backpressure. Such a request
   may send data chunks and its final event, nothing else (output events for
   it, which nobody reads, would go on for ever).
+- A header is at most ``protocol.MAX_AGENT_HEADER`` (1 MiB) and
+  ``protocol.MAX_AGENT_TOKENS`` values, counted before it is decoded: json.loads of
+  tiny values costs the event loop up to ~120 ns each, and at the old 64 MiB one
+  frame user code wrote stopped every sandbox for 4.5 s. Longer answers send their
+  long strings ahead as ``blob`` events, held per request until the header that
+  names their places (``protocol.unspill``): at most ``protocol.MAX_SPILLED`` bytes
+  waiting on a channel. A listing's chunk is at most ``LIST_CHUNK`` bytes of JSON.
 - Backpressure: each request's queue holds at most :data:`QUEUE_FRAMES` frames
   and :data:`QUEUE_BYTES` bytes. When it is full the reader stops reading the
   socket, the kernel's socket buffer fills and the agent blocks in its send.
@@ -55,6 +62,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from branchbox.agent import protocol
+from branchbox.agent.files import LIST_CHUNK
 from branchbox.agent.protocol import ChannelClosed
 from branchbox.agent.server import MAX_OUTPUT
 
@@ -113,6 +121,7 @@ class _Request:
     frames: int = 0
     empty: int = 0
     wire: int = 0
+    spilled: list[bytes] = field(default_factory=list)  # blobs for its next header
     abandoned: bool = False
     finished: bool = False  # its final event (done or fail) has arrived
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # final event, or channel gone
@@ -131,6 +140,18 @@ class _Request:
         if self.content_budget is not None and self.content > self.content_budget:
             raise ProtocolViolation(
                 f"request {self.op!r} went past its output budget ({self.content_budget})")
+        if self.frame_budget is not None and self.frames > self.frame_budget:
+            raise ProtocolViolation(f"request {self.op!r} sent more than {self.frame_budget} "
+                                    "frames")
+        if self.abandoned and self.wire > ABANDONED_DRAIN:
+            raise ProtocolViolation(f"abandoned request {self.op!r} kept sending past "
+                                    f"{ABANDONED_DRAIN} bytes")
+
+    def charge_blob(self, size: int) -> None:
+        """A blob frame: frames and wire like any other (its bytes are charged as content,
+        if they are, with the header they belong to)."""
+        self.frames += 1
+        self.wire += size
         if self.frame_budget is not None and self.frames > self.frame_budget:
             raise ProtocolViolation(f"request {self.op!r} sent more than {self.frame_budget} "
                                     "frames")
@@ -189,33 +210,40 @@ def _budget(op: str | None, args: dict | None) -> tuple[int | None, int | None]:
     return content, content + FRAME_SLACK
 
 
-def _check(header: object, payload: bytes) -> tuple[int, str, int]:
-    """(rid, kind, content size) of a well-formed event frame; raises ProtocolViolation."""
+def _routing(header: object) -> tuple[int, object]:
+    """(rid, kind) of a frame's header; raises ProtocolViolation."""
     if not isinstance(header, dict):
         raise ProtocolViolation(f"header is a JSON {type(header).__name__}, not an object")
-    rid, ev = header.get("rid"), header.get("ev")
+    rid = header.get("rid")
     if not isinstance(rid, int) or isinstance(rid, bool):
         raise ProtocolViolation(f"rid must be an integer, got {type(rid).__name__}")
+    return rid, header.get("ev")
+
+
+def _check(header: dict, payload: bytes) -> int:
+    """The content size of a well-formed event frame (blobs put back); raises
+    ProtocolViolation."""
+    ev = header["ev"]
     if ev in ("stdout", "stderr"):
         data = header.get("data")
         if not isinstance(data, str) or len(data) > MAX_EVENT_DATA or payload \
                 or header.keys() - {"rid", "ev", "data"}:
             raise ProtocolViolation(f"malformed {ev} event")
-        return rid, ev, len(data)
+        return len(data)
     if ev == "chunk":
         if len(payload) > protocol.CHUNK or header.keys() - {"rid", "ev"}:
             raise ProtocolViolation("malformed chunk event")
-        return rid, ev, len(payload)
+        return len(payload)
     if ev == "done":
         if not isinstance(header.get("result", {}), dict) or payload:
             raise ProtocolViolation("malformed done event")
-        return rid, ev, 0
+        return 0
     if ev == "fail":
         err = header.get("error")
         if not (isinstance(err, dict) and isinstance(err.get("type"), str)
                 and isinstance(err.get("message", ""), str)) or payload:
             raise ProtocolViolation("malformed fail event")
-        return rid, ev, 0
+        return 0
     raise ProtocolViolation(f"unknown event kind {ev!r}"[:200])
 
 
@@ -267,6 +295,7 @@ class AgentChannel:
         self._loop = asyncio.get_running_loop()
         self._stale_below = time.time_ns() // 1000 if resumed else 0
         self._stale_bytes = 0
+        self._spilled = 0  # bytes of blobs held for headers still to come
         self._rids = itertools.count(self._stale_below + 1)
         self._pending: dict[int, _Request] = {}
         self._orphans: set[_Request] = set()  # abandoned, and the agent is still on them
@@ -291,10 +320,12 @@ class AgentChannel:
     async def _read_frame(self) -> tuple[object, bytes, int]:
         prefix = await self._recv_exact(8)
         try:
-            hlen, plen = protocol.decode_header(bytes(prefix))
+            hlen, plen = protocol.decode_header(bytes(prefix), protocol.MAX_AGENT_HEADER)
         except ValueError as exc:
             raise ProtocolViolation(str(exc)) from None
         raw = await self._recv_exact(hlen)
+        if protocol.tokens(raw) > protocol.MAX_AGENT_TOKENS:  # before json.loads pays them
+            raise ProtocolViolation(f"header of more than {protocol.MAX_AGENT_TOKENS} values")
         try:
             header = json.loads(raw)
         except ValueError:
@@ -311,7 +342,7 @@ class AgentChannel:
                     await asyncio.sleep(0)  # never hold the loop while the socket has data
                     slice_began = time.monotonic()
                 header, payload, size = await self._read_frame()
-                rid, ev, content = _check(header, payload)
+                rid, ev = _routing(header)
                 req = self._pending.get(rid)
                 if req is None and rid < self._stale_below:  # an earlier daemon's request
                     self._stale_bytes += size
@@ -324,7 +355,15 @@ class AgentChannel:
                 if req.finished:
                     raise ProtocolViolation(f"event for request {rid} after its final event")
                 if req.op in _UNBOUNDED_OPS and ev not in _PACED:  # unbudgeted: data only
-                    raise ProtocolViolation(f"{ev} event for request {req.op!r}")
+                    raise ProtocolViolation(f"{ev} event for request {req.op!r}"[:200])
+                if ev == "blob":
+                    self._take_blob(req, header, payload, size)
+                    continue
+                if req.spilled or "blobs" in header:
+                    size += self._unspill(req, header)
+                content = _check(header, payload)
+                if req.op == "list" and ev == "chunk" and len(payload) > LIST_CHUNK:
+                    raise ProtocolViolation(f"a listing's chunk of {len(payload)} bytes")
                 req.charge(content, size, ev in _FINAL)
                 if ev in _FINAL:
                     req.finished = True
@@ -363,6 +402,28 @@ class AgentChannel:
                 req.space.set()
                 req.ended.set()
             self._orphans.clear()
+
+    def _take_blob(self, req: _Request, header: dict, payload: bytes, size: int) -> None:
+        """Hold a blob event's payload for the request's next header."""
+        if header.keys() - {"rid", "ev"} or not payload:
+            raise ProtocolViolation("malformed blob event")
+        req.charge_blob(size)
+        self._spilled += len(payload)
+        if self._spilled > protocol.MAX_SPILLED:
+            raise ProtocolViolation(f"more than {protocol.MAX_SPILLED} bytes of blobs waiting "
+                                    "for their headers")
+        req.spilled.append(payload)
+
+    def _unspill(self, req: _Request, header: dict) -> int:
+        """Put the request's blobs back into ``header``; the bytes they add to its frame."""
+        data = b"".join(req.spilled)
+        req.spilled.clear()
+        self._spilled -= len(data)
+        try:
+            protocol.unspill(header, data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ProtocolViolation(f"blobs: {exc}"[:200]) from None
+        return len(data)
 
     async def send(self, header: dict, payload: bytes = b"", fds: list[int] = ()) -> None:
         data = protocol.encode(header, payload)
