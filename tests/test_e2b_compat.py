@@ -390,6 +390,51 @@ def test_run_code(daemon: ServedDaemon) -> None:
     assert out["timed_out"] is True and out["alive"] == "np.int64(9)"
 
 
+def test_filesystem_snapshots(daemon: ServedDaemon) -> None:
+    """``create_snapshot(mode="filesystem")`` saves the sandbox's files as an image that
+    ``Sandbox.create(snapshot_id)`` starts from (in E2B's home, without the memory);
+    listed by sandbox and name, deleted once unused; a snapshot with memory is refused
+    with the reason."""
+    out = run(daemon, """
+        import json
+        from e2b import Sandbox, SandboxException
+        from e2b_code_interpreter import Sandbox as CodeSandbox
+        sbx = CodeSandbox.create()
+        sbx.files.write("data.txt", "kept")
+        sbx.run_code("x = 5")
+        try:
+            sbx.create_snapshot()
+            full = "answered"
+        except SandboxException as exc:
+            full = str(exc)
+        auto = sbx.create_snapshot(mode="filesystem")
+        named = sbx.create_snapshot("compat-snap", mode="filesystem")
+        mine = sorted(s.snapshot_id for s in sbx.list_snapshots().next_items())
+        by_name = [s.snapshot_id for s in Sandbox.list_snapshots(name="compat-snap").next_items()]
+        child = CodeSandbox.create("compat-snap")
+        seen = [child.files.read("data.txt"), child.commands.run("pwd").stdout.strip(),
+                child.run_code("x").error.name]
+        try:
+            Sandbox.delete_snapshot("compat-snap")
+            in_use = "deleted"
+        except SandboxException as exc:
+            in_use = type(exc).__name__
+        child.kill()
+        sbx.kill()
+        deleted = [Sandbox.delete_snapshot("compat-snap"), Sandbox.delete_snapshot("compat-snap"),
+                   Sandbox.delete_snapshot(auto.snapshot_id)]
+        print(json.dumps({"full": full, "auto": auto.snapshot_id, "names": named.names,
+                          "mine": mine, "by_name": by_name, "seen": seen, "in_use": in_use,
+                          "deleted": deleted}))
+    """)
+    assert "only filesystem snapshots" in out["full"]
+    assert out["auto"].startswith("snapshot-") and out["names"] == ["compat-snap"]
+    assert out["mine"] == sorted([out["auto"], "compat-snap"])
+    assert out["by_name"] == ["compat-snap"]
+    assert out["seen"] == ["kept", "/home/user", "NameError"]
+    assert out["in_use"] == "SandboxException" and out["deleted"] == [True, False, True]
+
+
 def test_metrics(daemon: ServedDaemon) -> None:
     """``get_metrics``: a sample of the sandbox's CPU share since its previous sample,
     memory and page cache against its limit, disk against its limit (test_disk_quota has

@@ -92,8 +92,9 @@ class SavedImages:
             raise errors.Conflict(f"image {name!r} exists; remove it first")
 
     # --------------------------------------------------------------------- save
-    async def save_image(self, sandbox_id: str, name: str) -> dict:
+    async def save_image(self, sandbox_id: str, name: str, workdir: str | None = None) -> dict:
         """Freeze ``sandbox_id``'s filesystem as image ``name``; returns the image's info.
+        Its sandboxes start in ``workdir`` if given, else where the sandbox's image's do.
 
         Holds the sandbox's lock (as fork does): a merge or restore cannot swap its body
         while its layers are captured, and a call under way finishes first."""
@@ -105,12 +106,12 @@ class SavedImages:
         await self._acquire(sb, self.config.busy_wait)
         try:
             self.check_image_name(name)
-            manifest = await self._save_locked(sb, name)
+            manifest = await self._save_locked(sb, name, workdir)
         finally:
             self._unlock(sb)
         return self._image_info(manifest)
 
-    async def _save_locked(self, sb, name: str) -> dict:
+    async def _save_locked(self, sb, name: str, workdir: str | None) -> dict:
         """Capture ``sb`` (locked) as image ``name``. The capture takes as long as the
         sandbox's files (8 s for 300,000) and runs outside the daemon's image lock, so
         other saves and builds go on meanwhile; the name is taken under the lock, and a
@@ -134,6 +135,7 @@ class SavedImages:
                 # what the sandbox's image gave its sandboxes, its sandboxes get too
                 **{k: v for k, v in (self._saved(sb.record.image) or {}).items()
                    if k in ("env", "workdir")},
+                **({"workdir": workdir} if workdir is not None else {}),
                 "size_bytes": await self.content.run(family, _usage, volume / "upper"),
             }
             async with self.__dict__.setdefault("_image_lock", asyncio.Lock()):

@@ -1,5 +1,6 @@
 """E2B's control plane (``E2B_API_URL``): create, get, list, kill, timeout, connect, fork,
-pause, resume, network, metrics -- the REST routes E2B's published SDK calls, onto the engine.
+pause, resume, network, metrics, filesystem snapshots -- the REST routes E2B's published
+SDK calls, onto the engine.
 
 Shapes follow the SDK's generated client (``e2b/api/client``): camelCase JSON,
 ``{"code", "message"}`` errors (plus our ``error``), 201 on create and fork,
@@ -109,6 +110,11 @@ class NewSandbox(E2BBody):
     env_vars: dict[str, str] | None = Field(None, alias="envVars")
     allow_internet_access: bool | None = None
     network: E2BNetwork | None = None
+
+
+class NewSnapshot(E2BBody):
+    name: str | None = Field(None, max_length=255)
+    memory: bool | None = None
 
 
 class SandboxTimeout(E2BBody):
@@ -316,6 +322,60 @@ async def fork(sandbox_id: str, request: Request, engine: EngineDep,
         for child in children:
             engine.set_timeout(child.id, body.timeout)
     return [{"sandbox": _created(request, engine, child.id)} for child in children]
+
+
+@router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201)
+async def create_snapshot(sandbox_id: str, engine: EngineDep,
+                          body: Annotated[NewSnapshot, Body(default_factory=NewSnapshot)]
+                          ) -> dict:
+    """E2B's snapshot with ``memory: false`` (``mode="filesystem"``): the sandbox's files
+    saved as an image (``save_image``), which ``Sandbox.create(snapshot_id)`` starts
+    from. A snapshot with memory (E2B's default) is refused: here a sandbox's memory is
+    shared with its family's processes, not written out, so it cannot outlive them (a
+    checkpoint, ``POST /v1/sandboxes/{id}/checkpoints``, is that instant while it lives)."""
+    if body.memory is not False:
+        raise errors.InvalidRequest(
+            "only filesystem snapshots are served here (mode='filesystem'): a snapshot "
+            "with memory would have to outlive the sandbox's processes; branchbox's "
+            "checkpoints keep memory while the sandbox lives")
+    name = body.name or f"snapshot-{os.urandom(6).hex()}"
+    workdir = E2B_HOME if engine.info(sandbox_id)["image"] == "default" else None
+    await engine.save_image(sandbox_id, name, workdir=workdir)
+    return {"snapshotID": name, "names": [name]}
+
+
+@router.get("/snapshots")
+async def list_snapshots(
+    engine: EngineDep, response: Response,
+    sandbox_id: Annotated[str | None, Query(alias="sandboxID", max_length=64)] = None,
+    name: Annotated[str | None, Query(max_length=255)] = None,
+    next_token: Annotated[str | None, Query(alias="nextToken", max_length=256)] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = _PAGE,
+) -> list[dict]:
+    """Images saved from a sandbox (of ``sandboxID``, named ``name``), oldest first, a
+    page of ``limit``; the next page's token in ``X-Next-Token``."""
+    found = sorted((image["created"], image["name"]) for image in engine.list_images()
+                   if image.get("from_sandbox") and image["kind"] == "saved"
+                   and sandbox_id in (None, image["from_sandbox"])
+                   and name in (None, image["name"]))
+    after = _position(next_token) if next_token else None
+    found = [f for f in found if after is None or f > after]
+    if len(found) > limit:
+        last = found[limit - 1]
+        response.headers["X-Next-Token"] = base64.urlsafe_b64encode(
+            f"{last[0]!r}:{last[1]}".encode()).decode()
+    return [{"snapshotID": image, "names": [image]} for _, image in found[:limit]]
+
+
+@router.delete("/templates/{template_id}", response_class=Response)
+async def delete_snapshot(template_id: str, engine: EngineDep) -> Response:
+    """E2B's ``delete_snapshot`` (a template delete): remove a saved image; 404 if there
+    is none of that name, 409 while a sandbox or another image stands on it."""
+    if not any(image["name"] == template_id and image["kind"] == "saved"
+               for image in engine.list_images()):
+        return e2b_error(404, f"no snapshot {template_id!r}")
+    await engine.remove_image(template_id)
+    return Response(status_code=204)
 
 
 @router.put("/sandboxes/{sandbox_id}/network", status_code=204, response_class=Response)
