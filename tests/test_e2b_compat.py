@@ -230,6 +230,29 @@ def test_commands(daemon: ServedDaemon) -> None:
     assert out["account"] == "1000\nuser:user\n"  # E2B's account, in the default image
 
 
+def test_process_list_shows_each_commands_argv_as_started(daemon: ServedDaemon) -> None:
+    """Process.List answers the argv each command was started with, as the agent kept it:
+    a command line is bash's (it was split into words as if it were an argv), and a
+    100 KiB argument is no work for the daemon (it was re-split with shlex on the event
+    loop, quadratic in a word's length: 45 s for 2 MB)."""
+    word = "x" * (100 << 10)  # the kernel takes one argument up to 128 KiB
+    with httpx.Client(base_url=daemon.url, timeout=120,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+        sandbox_id = http.post("/v1/sandboxes", json={}).json()["id"]
+        try:
+            for cmd in ("sleep 600 # a b", ["sh", "-c", "sleep 600", word]):
+                reply = http.post(f"/v1/sandboxes/{sandbox_id}/commands",
+                                  json={"cmd": cmd, "background": True})
+                assert reply.status_code == 200, reply.text
+            listed = http.post("/process.Process/List", json={}, headers={
+                "E2b-Sandbox-Id": sandbox_id, "X-API-Key": API_KEY}).json()
+        finally:
+            http.delete(f"/v1/sandboxes/{sandbox_id}")
+    configs = sorted((p["config"] for p in listed["processes"]), key=len)
+    assert {"cmd": "/bin/bash", "args": ["-c", "sleep 600 # a b"]} in configs
+    assert {"cmd": "sh", "args": ["-c", "sleep 600", word]} in configs
+
+
 def test_pty(daemon: ServedDaemon) -> None:
     """A terminal: its size (and resize), typed input echoed, ^C reaching the foreground
     command, the shell's exit code."""

@@ -84,6 +84,7 @@ class Command:
         proc: Process,
         display: str,
         *,
+        argv: list[str],
         shell: bool,
         rid: int | None,
         limit: OutputLimit,
@@ -95,6 +96,7 @@ class Command:
         self.proc = proc
         self.pid = proc.pid
         self.display = display
+        self.argv = argv  # as asked: a command line is bash's (["/bin/bash", "-c", line])
         self.shell = shell
         self.rid = rid  # the exec request a foreground command answers; None in background
         self.limit = limit
@@ -470,6 +472,7 @@ class Commands:
             self,
             proc,
             display,
+            argv=["/bin/bash", "-c", req["cmd"]] if shell else list(req["cmd"]),
             shell=shell,
             rid=None if background else rid,
             limit=limit,
@@ -587,6 +590,7 @@ class Commands:
             {
                 "pid": c.pid,
                 "cmd": c.display,
+                "argv": c.argv,
                 "running": c.exit_code is None,
                 "exit_code": c.exit_code,
                 "stdin": c.stdin is not None,

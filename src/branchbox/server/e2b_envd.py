@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import shlex
 import signal
 import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -169,19 +168,12 @@ def _unary(path: str) -> Callable:
 async def process_list(engine: Engine, sandbox_id: str, _: dict) -> dict:
     processes = []
     for command in (await engine.call(sandbox_id, "ps"))["commands"]:
-        if command["running"]:
-            argv = _argv(command["cmd"])
+        argv = command.get("argv")
+        if command["running"] and isinstance(argv, list) and argv \
+                and all(isinstance(arg, str) for arg in argv):
             processes.append({"pid": command["pid"],
-                              "config": {"cmd": argv[0] if argv else "", "args": argv[1:]}})
+                              "config": {"cmd": argv[0], "args": argv[1:]}})
     return {"processes": processes}
-
-
-def _argv(display: str) -> list[str]:
-    """A command's argv from its display form (a shell command line is bash's)."""
-    try:
-        return shlex.split(display)
-    except ValueError:  # not shlex.join's output: a command line for bash
-        return ["/bin/bash", "-c", display]
 
 
 @_unary("/process.Process/SendInput")
