@@ -110,6 +110,22 @@ def test_setid_bits_are_stripped_and_owners_are_the_hosts(harness, workspace: Pa
     assert result["version"] == 1 and result["bytes"] > 0
 
 
+def test_a_sparse_file_arrives_sparse(harness, workspace: Path) -> None:
+    """A 3 GiB file of one written page costs the sandbox a page of its disk limit; its
+    commit wrote 3 GiB of zeros onto the host's disk (``truncate -s 1T`` would fill it)."""
+    with harness.sandbox(workspace=str(workspace), cwd=str(workspace)) as sb:
+        done = sb.exec("truncate -s 3G sparse && printf marker | "
+                       "dd of=sparse bs=1 seek=1073741824 conv=notrunc status=none")
+        assert done.exit_code == 0, done.stderr
+        sb.commit()
+    st = os.lstat(workspace / "sparse")
+    assert st.st_size == 3 << 30
+    assert st.st_blocks * 512 < 1 << 20, f"{st.st_blocks * 512} bytes allocated on the host"
+    with open(workspace / "sparse", "rb") as f:
+        f.seek(1 << 30)
+        assert f.read(6) == b"marker"
+
+
 def test_fifos_and_sockets_are_refused_and_reported_the_rest_commits(
     harness, workspace: Path
 ) -> None:

@@ -289,16 +289,22 @@ def _copy_file(sfd: int, dfd: int, name: str, st: os.stat_result) -> None:
         dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                       | os.O_CLOEXEC, 0o600, dir_fd=dfd)
         try:
-            try:
-                fcntl.ioctl(dst, _FICLONE, src)
-            except OSError as exc:
-                if exc.errno not in _NO_CLONE:
-                    raise
-                _copy_data(src, dst, os.fstat(src).st_size)
+            clone_or_copy(src, dst, os.fstat(src).st_size)
         finally:
             os.close(dst)
     finally:
         os.close(src)
+
+
+def clone_or_copy(src: int, dst: int, size: int) -> None:
+    """``src``'s ``size`` bytes into the empty file ``dst``: a reflink where the
+    filesystem can (O(1)), else a copy of its data that keeps its holes."""
+    try:
+        fcntl.ioctl(dst, _FICLONE, src)
+    except OSError as exc:
+        if exc.errno not in _NO_CLONE:
+            raise
+        _copy_data(src, dst, size)
 
 
 def _copy_data(src: int, dst: int, size: int) -> None:
