@@ -102,6 +102,19 @@ def test_run_code_stream_events(sandbox: podflare.Sandbox) -> None:
     assert [e.seq for e in events] == sorted({e.seq for e in events})
 
 
+def test_a_flood_of_lines_goes_out_grouped_with_the_same_text(
+        sandbox: podflare.Sandbox) -> None:
+    """Past 4,096 lines in one agent event, whole lines go out several to an event, joined
+    by newlines as the SDK joins events: the text is the same, and 2 million lines are a
+    few events, not 2 million (at ~3 us a line on the daemon's loop, 16 MB of empty lines
+    held every sandbox for seconds)."""
+    code = "import sys\nsys.stdout.write('\\n' * 2_000_000 + 'a\\nb\\n' + 'c' * 10)"
+    events = list(sandbox.run_code_stream(code))
+    assert events[-1].type == "exit" and events[-1].data == 0
+    assert "\n".join(e.data for e in events[:-1]) == "\n" * 2_000_000 + "a\nb\n" + "c" * 10
+    assert len(events) < 1000, len(events)
+
+
 def test_first_event_arrives_while_the_command_runs(sandbox: podflare.Sandbox,
                                                      server: Daemon) -> None:
     """The command cannot end before the client has seen its first line: it waits for a
