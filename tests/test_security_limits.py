@@ -285,3 +285,24 @@ def test_mountinfo_shows_no_host_path(harness, make) -> None:
         assert not leaked, f"mountinfo in {sb.id} shows host paths {leaked}:\n{mountinfo}"
         assert "/proc/self/fd/" in mountinfo.split(" / / ", 1)[1].splitlines()[0]
     child.close()
+
+
+def test_all_sandboxes_together_are_bounded(harness, sandbox) -> None:
+    """Each sandbox has its own limits, but their sum had none: a family of 31 fork
+    children at 1,024 processes each reached the kernel's pid_max and nothing on the host
+    could fork. The daemon bounds the cgroup every sandbox is under: 3/4 of pid_max,
+    and all of RAM but max(2 GiB, 1/10); a sandbox's processes are in it."""
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    top = Path("/sys/fs/cgroup")
+    v1 = (top / "pids").is_dir()
+    pids = top / ("pids/branchbox/pids.max" if v1 else "branchbox/pids.max")
+    memory = top / ("memory/branchbox/memory.limit_in_bytes" if v1 else "branchbox/memory.max")
+    assert int(pids.read_text()) == pid_max - pid_max // 4
+    page = os.sysconf("SC_PAGE_SIZE")
+    assert int(memory.read_text()) == (ram - max(2 << 30, ram // 10)) // page * page
+    host_pids = portal.run(harness.engine.report(sandbox.id))["resources"]["host_pids"]
+    assert host_pids
+    for pid in host_pids:
+        cgroups = Path(f"/proc/{pid}/cgroup").read_text()
+        assert ":pids:/branchbox/" in cgroups or "::/branchbox/" in cgroups, cgroups

@@ -55,7 +55,12 @@ from branchbox.engine.templates import Templates
 from branchbox.engine.warm import WARM_CWD, WarmPool
 from branchbox.engine.workspaces import Workspaces
 from branchbox.runtime import procfs, rootfs, smaps
-from branchbox.runtime.cgroups import Limits, SandboxCgroup, favor_dynamic_moves
+from branchbox.runtime.cgroups import (
+    Limits,
+    SandboxCgroup,
+    bound_all_sandboxes,
+    favor_dynamic_moves,
+)
 from branchbox.runtime.channel import INTERRUPTIBLE, AgentChannel, AgentError, interrupt_repl
 from branchbox.runtime.family import (
     Family,
@@ -159,6 +164,8 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
         self._thaw_guard = ThawGuard(cfg.cgroup_group)  # nothing stays frozen if we die
         self._thaw_guard.watch()
         self._reap_leftovers({s.record.instance for s in survivors.values()})
+        log.info("all sandboxes of this host together: at most %(pids)d processes, "
+                 "%(memory)d bytes of memory", bound_all_sandboxes())
         self._mark_stopped(set(survivors))
         self.store = choose_backend(cfg.data_dir, cfg.storage)
         self.layers = Layers(

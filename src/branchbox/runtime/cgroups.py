@@ -62,6 +62,41 @@ def detect_version(root: Path = CGROUP_ROOT) -> int:
     )
 
 
+HOST_PIDS_KEPT = 4  # of kernel.pid_max, the host keeps this fraction (1/4) for itself
+HOST_MEMORY_KEPT = (2 << 30, 10)  # bytes, or this fraction (1/10) of RAM, what is larger
+
+
+def bound_all_sandboxes(root: Path = CGROUP_ROOT) -> dict[str, int]:
+    """Bound what every sandbox of this host may take together, in the ``branchbox``
+    cgroup all of theirs are under: processes to 3/4 of ``kernel.pid_max`` and memory to
+    all of RAM but max(2 GiB, 1/10). Each sandbox has its own limits (1,024 processes, 4
+    GiB by default), but nothing bounded their sum: a family of 31 fork children reached
+    the kernel's 32,768 pids and nothing on the host could fork, and four 2 GiB children
+    of one 8 GiB host would leave its OOM killer to choose among the host's processes.
+    Returns the bounds set."""
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    page = os.sysconf("SC_PAGE_SIZE")
+    ram = page * os.sysconf("SC_PHYS_PAGES")
+    memory = ram - max(HOST_MEMORY_KEPT[0], ram // HOST_MEMORY_KEPT[1])
+    bounds = {"pids": pid_max - pid_max // HOST_PIDS_KEPT,
+              "memory": memory // page * page}  # as the kernel keeps it
+    if detect_version(root) == 2:
+        top = root / "branchbox"
+        subtree = root / "cgroup.subtree_control"
+        if "memory" not in subtree.read_text():
+            subtree.write_text("+memory +pids +cpu")
+        top.mkdir(exist_ok=True)
+        files = {"pids": top / "pids.max", "memory": top / "memory.max"}
+    else:
+        for controller in ("pids", "memory"):
+            (root / controller / "branchbox").mkdir(exist_ok=True)
+        files = {"pids": root / "pids" / "branchbox" / "pids.max",
+                 "memory": root / "memory" / "branchbox" / "memory.limit_in_bytes"}
+    for name, path in files.items():
+        path.write_text(str(bounds[name]))
+    return bounds
+
+
 @dataclass(frozen=True)
 class Limits:
     memory_bytes: int
