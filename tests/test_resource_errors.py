@@ -85,6 +85,23 @@ def test_the_process_limit_is_a_429(daemon: ServedDaemon) -> None:
         child.close()
 
 
+def test_commands_after_user_code_killed_their_init_are_a_typed_410(
+        daemon: ServedDaemon) -> None:
+    """``os.kill(-1, SIGKILL)`` from the REPL kills the init of the sandbox's command
+    namespace: every later exec answered a 500 with the agent's BrokenPipeError. Now a
+    410 of kind CommandsGone that says so, and the REPL and the files go on."""
+    with sandbox(daemon) as sb:
+        sb.run_code("import os, signal\nos.kill(-1, signal.SIGKILL)")
+        for _ in range(2):
+            with pytest.raises(ReplGone) as caught:
+                sb.exec("echo hi")
+            assert (caught.value.status, caught.value.kind) == (410, "CommandsGone")
+            assert "command namespace is gone" in caught.value.message
+        assert sb.run_code("6 * 7").text == "42"
+        sb.files.write("/tmp/still", b"ok")
+        assert sb.files.read("/tmp/still") == b"ok"
+
+
 def _runs(sb: Sandbox) -> bool:
     try:
         return sb.exec("echo ok").stdout == "ok\n"

@@ -50,6 +50,9 @@ _POLL_INTERVAL = 0.05
 # protocol.MAX_SPILLED bytes); cut to their JSON's size below that, which is cautious.
 _RESULT_BUDGET = protocol.MAX_SPILLED - 1024 * 1024
 _NOT_FOUND = b"command not found"
+# What starting a command through the command namespace's init (spawner) fails with once
+# that init is gone: nothing can be started in its namespace any more.
+_INIT_GONE = (errno.EPIPE, errno.ECONNRESET, errno.ECONNREFUSED, errno.ENOTCONN)
 _MAX_LISTED = 4096  # commands in a ps answer (the sandbox's pids limit is 1024 by default)
 
 
@@ -372,6 +375,11 @@ def _spawn(req: dict, spawner: Callable[[], int] | None
             raise RequestError("CommandNotFound", f"command not found: {argv[0]}") from exc
         if exc.errno in (errno.EACCES, errno.ENOEXEC, errno.E2BIG):
             raise RequestError("InvalidRequest", f"cannot run {argv[0]}: {exc.strerror}") from exc
+        if exc.errno in _INIT_GONE:
+            raise RequestError(
+                "CommandsGone", "commands cannot start: the init of the sandbox's command "
+                "namespace is gone (killed from inside the sandbox, e.g. by kill -9 -1)"
+            ) from exc
         raise
 
 

@@ -9,6 +9,7 @@
     │   └── StaleBranch (409)
     ├── SandboxTimeout (408)      a run or command hit its timeout
     ├── ReplGone (410)            the sandbox's REPL process died
+    ├── CommandsGone (410)        the init of the sandbox's command namespace died
     ├── PayloadTooLarge (413)
     ├── PathTooLong (422)         a path in the sandbox is longer than the host can name
     ├── ResourceLimit (429)       the sandbox's process limit is reached
@@ -60,6 +61,14 @@ class SandboxTimeout(EngineError):
 class ReplGone(EngineError):
     status = 410
     kind = "ReplGone"
+
+
+class CommandsGone(EngineError):
+    """User code killed the init of the sandbox's command namespace (``kill -9 -1`` from
+    the REPL): no command can start in it any more; the REPL and files still work."""
+
+    status = 410
+    kind = "CommandsGone"
 
 
 class PayloadTooLarge(EngineError):
@@ -122,4 +131,5 @@ AGENT_ERRORS: dict[str, type[EngineError]] = {
     "ResourceLimit": ResourceLimit,
     "Conflict": Conflict,
     "PayloadTooLarge": PayloadTooLarge,
+    "CommandsGone": CommandsGone,
 }

@@ -10,7 +10,7 @@
     ├── SandboxTimeout                a run or command hit its timeout (also a TimeoutError)
     ├── Conflict                      the sandbox is busy, or the operation lost a race (409)
     │   └── StaleBranchError          a sibling merged or committed first
-    ├── ReplGone                      the sandbox's REPL died (410)
+    ├── ReplGone                      the sandbox's REPL died, or its command init (410)
     ├── CommandNotFound               exec of a program the sandbox does not have
     ├── PayloadTooLarge               upload over the server's limit (413)
     ├── ResourceLimit                 the sandbox's process limit is reached (429)
@@ -130,6 +130,7 @@ _TABLE: dict[str, tuple[type[SandboxError], int | None]] = {
     "Conflict": (Conflict, 409),
     "StaleBranchError": (StaleBranchError, None),
     "ReplGone": (ReplGone, 410),
+    "CommandsGone": (ReplGone, None),
     "CommandNotFound": (CommandNotFound, None),
     "PayloadTooLarge": (PayloadTooLarge, 413),
     "ResourceLimit": (ResourceLimit, 429),
@@ -140,6 +141,9 @@ _TABLE: dict[str, tuple[type[SandboxError], int | None]] = {
     "PathTooLong": (SandboxError, None),  # a sandbox's path too long for the host (422)
 }
 _BY_STATUS = {status: cls for cls, status in _TABLE.values() if status is not None}
+# Kinds whose class's hint does not fit them.
+_HINTS = {"CommandsGone": "the REPL and files still work; close the sandbox for one that "
+                          "runs commands"}
 
 
 def error_from_reply(status: int, body: Any) -> SandboxError:
@@ -150,7 +154,7 @@ def error_from_reply(status: int, body: Any) -> SandboxError:
     else:
         message, kind = ("" if body is None else str(body).strip()) or f"HTTP {status}", None
     cls = _TABLE[kind][0] if kind in _TABLE else _BY_STATUS.get(status, SandboxError)
-    return cls(message, status=status, kind=kind)
+    return cls(message, status=status, kind=kind, hint=_HINTS.get(kind))
 
 
 def error_from_line(line: dict) -> SandboxError:
