@@ -692,6 +692,22 @@ def test_write_in_frames_then_read_back_in_chunks(agent: AgentProcess, tmp_path:
     assert final["result"] == {"size": len(data)}
 
 
+def test_reading_a_socket_or_a_fifo_is_an_invalid_request(agent: AgentProcess,
+                                                           tmp_path: Path) -> None:
+    """A unix socket cannot be opened (ENXIO): that was an Internal failure carrying the
+    agent's traceback; a FIFO is opened without waiting and refused."""
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(tmp_path / "sock"))
+    os.mkfifo(tmp_path / "fifo")
+    try:
+        for name in ("sock", "fifo"):
+            error = agent.error("read", path=str(tmp_path / name))
+            assert error["type"] == "InvalidRequest", error
+            assert "Traceback" not in error["message"]
+    finally:
+        listener.close()
+
+
 def test_a_write_replaces_the_file_only_when_complete(agent: AgentProcess, tmp_path: Path) -> None:
     path = tmp_path / "f.txt"
     path.write_text("old")

@@ -38,6 +38,7 @@ _ERROR_TYPES = {
     errno.ETXTBSY: "InvalidRequest",  # a program running from that file
     errno.EBUSY: "InvalidRequest",  # a mount point
     errno.EFBIG: "InvalidRequest",  # past a file size limit the REPL's code set
+    errno.ENXIO: "InvalidRequest",  # a socket, or a device with nothing behind it
 }
 _NEW_FILE_MODE = 0o644
 UPLOAD_PREFIX = ".bbupload-"  # an upload's temporary file, renamed into place when complete
