@@ -632,8 +632,9 @@ def test_background_command_wait_and_ps(agent: AgentProcess, fifo: Path) -> None
         "pid"
     ]
     assert agent.call("ps")["commands"] == [
-        {"pid": pid, "cmd": f"echo hi; cat {fifo} >/dev/null; echo bye >&2", "running": True,
-         "exit_code": None, "stdin": False, "pty": False}
+        {"pid": pid, "cmd": f"echo hi; cat {fifo} >/dev/null; echo bye >&2",
+         "argv": ["/bin/bash", "-c", f"echo hi; cat {fifo} >/dev/null; echo bye >&2"],
+         "running": True, "exit_code": None, "stdin": False, "pty": False}
     ]
     assert agent.error("wait", pid=pid, timeout=0.1)["type"] == "Timeout"
     rid = agent.send("wait", pid=pid)  # answered from the loop once the command exits
@@ -670,6 +671,26 @@ def test_background_output_is_bounded(agent: AgentProcess) -> None:
     result = agent.call("wait", pid=pid, timeout=10)
     assert result["stdout"] == "".join(f"{i}\n" for i in range(1, 10)) + "10"
     assert result["truncated"] is True and "output truncated" in result["stderr"]
+
+
+def test_a_follower_is_told_when_output_goes_past_the_limit(agent: AgentProcess) -> None:
+    """E2B's Process.Start follows a background command: ``yes`` went silent at the
+    output limit, with no word of why, and the command ran on. A follower is now told
+    when it happens (and one that follows later, at once), while the command runs."""
+    pid = agent.call("exec", cmd=["yes"], background=True, max_output=100_000)["pid"]
+    followers = []
+    for _ in range(2):  # following from the start, then after the limit
+        followers.append(rid := agent.send("follow", pid=pid))
+        seen = ""
+        while "dropped from here on" not in seen:
+            header, _ = agent.next(rid)
+            assert header["ev"] in ("stdout", "stderr"), header
+            seen += header["data"] if header["ev"] == "stderr" else ""
+        assert "past its first 100000 bytes" in seen
+        assert agent.call("ps")["commands"][0]["running"] is True
+    agent.call("kill", pid=pid)
+    for rid in followers:  # the end of the command ends each follow
+        assert agent.collect(rid)[1]["result"]["exit_code"] == 128 + signal.SIGKILL
 
 
 # ---------------------------------------------------------------------------------------- files

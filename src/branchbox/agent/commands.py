@@ -164,11 +164,14 @@ class Command:
             window = self._err_tail + data  # the phrase may straddle two reads
             self._saw_not_found = self._saw_not_found or _NOT_FOUND in window
             self._err_tail = window[-len(_NOT_FOUND) :]
+        was_truncated = self.limit.truncated
         kept = self.limit.take(data)
         if self.rid is None:
             stream.kept += kept
             for rid in self.followers:
                 self.send_followed(rid, stream.name, kept)
+                if self.limit.truncated and not was_truncated:
+                    self._say_cut(rid)
             return
         text = stream.decoder.decode(kept)
         if text:
@@ -213,6 +216,16 @@ class Command:
         for stream in self.streams:
             for start in range(0, len(stream.kept), _READ_SIZE):
                 self.send_followed(rid, stream.name, stream.kept[start:start + _READ_SIZE])
+        if self.limit.truncated:
+            self._say_cut(rid)
+
+    def _say_cut(self, rid: int) -> None:
+        """Tell a follower, once, that the command's output goes past what is kept: a
+        command that writes for ever (``yes``) went silent on its followers at its limit,
+        with no word of why, until it ended."""
+        self.agent.event(rid, "stderr", data=f"\n[branchbox: output past its first "
+                         f"{self.limit.size} bytes is dropped from here on; the command "
+                         "still runs]\n")
 
     def send_followed(self, rid: int, name: str, data: bytes | bytearray) -> None:
         text = self.followers[rid][name].decode(data)

@@ -117,6 +117,7 @@ class OutputLimit:
     """
 
     def __init__(self, limit: int) -> None:
+        self.size = limit
         self.remaining = limit
         self.dropped = 0
 
