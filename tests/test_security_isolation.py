@@ -7,6 +7,8 @@ through the public SDK against real sandboxes.
 
 from __future__ import annotations
 
+import ctypes
+import os
 import time
 
 import pytest
@@ -346,3 +348,46 @@ def test_a_child_that_did_not_enter_its_sandbox_is_refused(harness, make) -> Non
     with pytest.raises(SandboxError, match="did not enter its sandbox"):
         sb.fork(1)
     assert sb.run_code("1 + 1").text == "2"
+
+
+TAKE_ALL = r"""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+held, tid = 0, ctypes.c_void_p()
+while held < 200_000 and (libc.inotify_init1(0) >= 0 if KIND == "inotify"
+                          else libc.timer_create(1, None, ctypes.byref(tid)) == 0):
+    held += 1
+held, ctypes.get_errno()
+"""
+ONE_MORE = r"""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+tid = ctypes.c_void_p()
+ok = libc.inotify_init1(0) >= 0 if KIND == "inotify" else \
+    libc.timer_create(1, None, ctypes.byref(tid)) == 0
+ok, ctypes.get_errno()
+"""
+
+
+@pytest.mark.parametrize("kind", ["inotify", "timers"])
+def test_a_sandbox_takes_only_its_familys_share_of_kernel_budgets(make, kind) -> None:
+    """The kernel counts inotify instances (128 a user by default) and pending signals
+    (POSIX timers; 96,365) against the owner of each user namespace up the chain. Every
+    family's namespace was owned by the host's root (or by a template's, owned by it):
+    one sandbox took them all, and the host's root, and every other family, had none
+    (``timeout`` failed on the host). Now each family's are its own ids', capped per
+    family within a template (``launching.FAMILY_SYSCTLS``, ``FAMILY_RLIMITS``)."""
+    greedy, other = make(), make()
+    held, errno_ = eval(greedy.run_code(f"KIND = {kind!r}\n" + TAKE_ALL).text)
+    assert errno_ in (11, 24) and 0 < held < 100_000, (held, errno_)  # EAGAIN, EMFILE
+    assert eval(other.run_code(f"KIND = {kind!r}\n" + ONE_MORE).text)[0] is True
+    libc = ctypes.CDLL(None, use_errno=True)  # the host's root: this test process
+    if kind == "inotify":
+        fd = libc.inotify_init1(0)
+        assert fd >= 0, f"the host's root got no inotify instance: errno {ctypes.get_errno()}"
+        os.close(fd)
+    else:
+        timer = ctypes.c_void_p()
+        assert libc.timer_create(1, None, ctypes.byref(timer)) == 0, ctypes.get_errno()
+        libc.timer_delete(timer)
+    greedy.close()

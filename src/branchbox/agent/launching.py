@@ -63,6 +63,7 @@ import contextlib
 import gc
 import json
 import os
+import resource
 import select
 import signal
 import socket
@@ -200,6 +201,36 @@ def _renumbered(spec: dict, fd: dict[int, int]) -> dict:
     }
 
 
+# What one family may hold of the kernel's budgets counted per user namespace owner. A
+# template's families all draw on its owner's (the kernel counts each level of nested
+# namespaces against the owner of that level): these caps, in the template's namespace,
+# keep one of them from taking all of it. Pending signals (POSIX timers too) and message
+# queue bytes are counted against an rlimit the family's namespace keeps from its
+# creation: its launcher's, lowered here to a share of the template's (its own hard
+# limit, 96,365 signals and 819,200 bytes by default, which only CAP_SYS_RESOURCE
+# could raise).
+FAMILY_SYSCTLS = {"max_inotify_instances": 128, "max_inotify_watches": 65536,
+                  "max_fanotify_groups": 128, "max_fanotify_marks": 8192,
+                  **{f"max_{kind}_namespaces": 8192 for kind in (
+                      "cgroup", "ipc", "mnt", "net", "pid", "time", "user", "uts")}}
+FAMILY_RLIMITS = {resource.RLIMIT_SIGPENDING: 8192, resource.RLIMIT_MSGQUEUE: 204800}
+
+
+def _limit(rlimits: dict[int, int]) -> None:
+    """Lower these rlimits to their values (never above what they are)."""
+    for which, value in rlimits.items():
+        soft, hard = resource.getrlimit(which)
+        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        resource.setrlimit(which, (value, value))
+
+
+def _become(owner: int) -> None:
+    """Take host (or template) ids ``owner`` before unsharing a user namespace: they own it."""
+    os.setgroups([])
+    os.setresgid(owner, owner, owner)
+    os.setresuid(owner, owner, owner)
+
+
 def _mapped(spec: dict) -> None:
     """Unshare the user namespace, wait for the daemon's word that its id maps are
     written, and become its root (only then do the capabilities apply to it)."""
@@ -229,17 +260,14 @@ def _launch(spec: dict) -> None:
     signal.signal(signal.SIGTERM, end_family)
     try:
         sysc.unshare(sysc.CLONE_NEWPID)  # first: P then belongs to the forker's namespace
-        owner = spec.get("owner")
-        if owner is not None:
-            # A template's launcher takes the family's own ids in the template's namespace
-            # first: the family's namespace is then owned by them, not by the template's
-            # root, which so keeps no power over it (a parent namespace's process whose
-            # euid owns a child namespace has every capability in it); and the kernel
-            # counts the family's processes against RLIMIT_NPROC under that owner, the
-            # family's own, not under one owner shared by every family of the template.
-            os.setgroups([])
-            os.setresgid(owner, owner, owner)
-            os.setresuid(owner, owner, owner)
+        # The family's namespace is owned by the family's own ids, not by its forker's
+        # root (the host's, or the template's), which so keeps no power over it (a parent
+        # namespace's process whose euid owns a child namespace has every capability in
+        # it); and the kernel counts what the family holds (processes, namespaces,
+        # inotify instances, pending signals) under that owner, the family's own, not
+        # under the root's shared with everything else.
+        _limit(FAMILY_RLIMITS)
+        _become(spec["owner"])
         _mapped(spec)
         sysc.unshare(sysc.CLONE_NEWNET)  # home: where it returns after making one
         home = sysc.netns_fd()
@@ -369,7 +397,11 @@ def _template(spec: dict) -> None:
     the host's mount namespace as Z's map writer."""
     try:
         sysc.set_process_name("bb-template-map")
+        _become(spec["owner"])  # Z is then its own slot's, not the host root's
         _mapped(spec)
+        for name, value in FAMILY_SYSCTLS.items():  # Z's, seen from a process in Z
+            with open(f"/proc/sys/user/{name}", "w") as f:
+                f.write(str(value))
         writer = os.getpid()
         pid = os.fork()
     except BaseException as exc:  # noqa: BLE001

@@ -68,6 +68,7 @@ from branchbox.runtime.family import (
     Zygote,
     spawn_family,
     start_variables,
+    widen_inotify_budget,
 )
 from branchbox.runtime.fd_keeper import FdKeeper, KeeperError
 from branchbox.runtime.signal_guard import SignalGuard
@@ -166,6 +167,7 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
         self._reap_leftovers({s.record.instance for s in survivors.values()})
         log.info("all sandboxes of this host together: at most %(pids)d processes, "
                  "%(memory)d bytes of memory", bound_all_sandboxes())
+        log.info("inotify instances per host user: %d", widen_inotify_budget())
         self._mark_stopped(set(survivors))
         self.store = choose_backend(cfg.data_dir, cfg.storage)
         self.layers = Layers(

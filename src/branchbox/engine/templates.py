@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from branchbox.engine.idranges import IdRange
 from branchbox.engine.layers import LayerStack
 from branchbox.runtime.family import Template, start_template
-from branchbox.storage.idmap import template_map
+from branchbox.storage.idmap import slot_base, template_map
 from branchbox.storage.images import KNOWN_IMAGES
 
 log = logging.getLogger("branchbox.engine")
@@ -126,6 +126,7 @@ class Templates:
                 zygote=self.zygote,
                 tree_fd=stack.tree(),
                 id_map=template_map(ids.slot, self.ids.family_slots()),
+                owner=slot_base(ids.slot),
                 hostname="template",
                 env={**DEFAULT_ENV, **self.image_defaults(image)[0]},
                 attach=ATTACH_DIR,

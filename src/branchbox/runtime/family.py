@@ -170,9 +170,15 @@ class _Forker:
     def _request(self, spec: dict, fds: list[int]) -> tuple[int, int]:
         raise NotImplementedError
 
-    def owner(self, uid_base: int) -> int | None:
-        """The ids a launcher takes before its family's user namespace (to own it)."""
-        return None
+    def owner(self, uid_base: int) -> int:
+        """The ids a launcher takes before its family's user namespace, to own it: the
+        family's own (its host ids from the zygote, where the family's namespace is a
+        child of the host's). The kernel counts what a user namespace's processes hold
+        (namespaces, inotify instances, pending signals, message queues) against its
+        owner in the parent namespace too: owned by root, every family drew on the
+        host root's budgets, and one sandbox that took 96,365 UTS namespaces, all 128
+        inotify instances or every POSIX timer left the host's root without any."""
+        return uid_base
 
     async def write_id_maps(self, pid: int, uid_base: int) -> None:
         """Map the ids 0..65535 of launcher ``pid``'s new user namespace onto host range
@@ -315,8 +321,8 @@ class Template(_Forker):
         """Whether a REPL forked from here is what one started with ``env`` would be."""
         return not self.broken and start_variables(env) == self.start_env
 
-    def owner(self, uid_base: int) -> int | None:
-        return in_template(uid_base)
+    def owner(self, uid_base: int) -> int:
+        return in_template(uid_base)  # the family's ids as the template's namespace sees them
 
     def _request(self, spec: dict, fds: list[int]) -> tuple[int, int]:
         message = json.dumps({"spec": spec, "fds": fds}).encode()
@@ -478,11 +484,30 @@ class _Start:
         os.close(self.go_w)
 
 
+TEMPLATE_INOTIFY_INSTANCES = 8192
+"""What the host's per-user inotify instance limit is raised to (if lower; 128 by
+default): every family of a template draws on its owner's, up to 128 each
+(``launching.FAMILY_SYSCTLS``), so 128 in all would serve one family."""
+
+
+def widen_inotify_budget() -> int:
+    """Raise ``fs.inotify.max_user_instances`` to TEMPLATE_INOTIFY_INSTANCES if lower;
+    the limit now. A host-wide setting (each user's own limit), as container hosts
+    raise it for the same reason."""
+    path = Path("/proc/sys/fs/inotify/max_user_instances")
+    now = int(path.read_text())
+    if now < TEMPLATE_INOTIFY_INSTANCES:
+        path.write_text(str(TEMPLATE_INOTIFY_INSTANCES))
+        now = TEMPLATE_INOTIFY_INSTANCES
+    return now
+
+
 async def start_template(
     *,
     zygote: Zygote,
     tree_fd: int,
     id_map: str,
+    owner: int,
     hostname: str,
     env: dict[str, str],
     attach: Path,
@@ -491,13 +516,15 @@ async def start_template(
     timeout: float = 30.0,
 ) -> Template:
     """Start an image's template whose REPL enters ``tree_fd`` (consumed): a read-only
-    root of the image. ``id_map`` is its user namespace's (``storage.idmap.template_map``);
+    root of the image. ``id_map`` is its user namespace's (``storage.idmap.template_map``),
+    which host id ``owner`` (its own slot's, never root) owns: the kernel counts what
+    every family of the template holds against that id too (``Forker.owner``);
     ``env`` what its interpreter starts with, and so what the creates it serves set."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     maps, maps_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     start = _Start(log_path)
     child_fds = [tree_fd, theirs.fileno(), maps_theirs.fileno(), *start.fds()]
-    spec = {"template": True, "tree_fd": tree_fd, "ctrl_fd": theirs.fileno(),
+    spec = {"template": True, "owner": owner, "tree_fd": tree_fd, "ctrl_fd": theirs.fileno(),
             "maps_fd": maps_theirs.fileno(), **start.spec(), "attach": str(attach),
             "hostname": hostname, "env": env, "python": python}
     try:
