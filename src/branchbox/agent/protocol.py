@@ -65,24 +65,28 @@ class FrameTooLarge(ValueError):
 
 
 def encode(header: dict, payload: bytes = b"") -> bytes:
-    head = _dumps(header)
+    return frame(_dumps(header), payload)
+
+
+def frame(head: bytes, payload: bytes = b"") -> bytes:
+    """A frame of an encoded header and its payload."""
     if len(head) > MAX_HEADER:
         raise FrameTooLarge(f"{len(head) / 2**20:.0f} MiB of JSON, more than the "
                             f"{MAX_HEADER >> 20} MiB a frame may carry")
     return _HEAD.pack(len(head), len(payload)) + head + payload
 
 
-def spill(header: dict) -> tuple[dict, list[bytes]]:
-    """``header`` as it may be sent to the daemon: unchanged if its JSON fits
-    :data:`MAX_AGENT_HEADER` bytes and :data:`MAX_AGENT_TOKENS` (:func:`tokens`), else a
-    copy whose heaviest strings are None, named in ``"blobs"`` ([path, bytes] in
-    order), and those strings' UTF-8 (lone surrogates kept: non-UTF-8 file names), to
-    send first as blob events. Raises FrameTooLarge if even that does not fit."""
+def spill(header: dict) -> tuple[bytes, list[bytes]]:
+    """``header``, encoded, as it may be sent to the daemon: whole if its JSON fits
+    :data:`MAX_AGENT_HEADER` bytes and :data:`MAX_AGENT_TOKENS` (:func:`tokens`), else
+    with its heaviest strings None, named in ``"blobs"`` ([path, bytes] in order); and
+    those strings' UTF-8 (lone surrogates kept: non-UTF-8 file names), to send first as
+    blob events. Raises FrameTooLarge if even that does not fit."""
     limit, max_tokens = MAX_AGENT_HEADER, MAX_AGENT_TOKENS
     encoded = _dumps(header)
     size, count = len(encoded), tokens(encoded)
     if size <= limit and count <= max_tokens:
-        return header, []
+        return encoded, []
     found: list[tuple[list, str]] = []
     _strings(header, [], found)
     weighed = []
@@ -109,7 +113,7 @@ def spill(header: dict) -> tuple[dict, list[bytes]]:
         raise FrameTooLarge(f"{len(encoded) / 2**20:.1f} MiB of JSON ({tokens(encoded)} "
                             f"values) besides its longest strings, more than a frame to the "
                             f"daemon may carry ({limit >> 20} MiB, {max_tokens})")
-    return header, [data for _, data in moved]
+    return encoded, [data for _, data in moved]
 
 
 def tokens(encoded: bytes) -> int:
@@ -203,7 +207,10 @@ def decode_header(prefix: bytes, max_header: int = MAX_HEADER) -> tuple[int, int
 
 def send(sock: socket.socket, header: dict, payload: bytes = b"", fds: list[int] = ()) -> None:
     """Send one frame; ``fds`` ride along as SCM_RIGHTS on its first byte."""
-    data = encode(header, payload)
+    send_frame(sock, encode(header, payload), fds)
+
+
+def send_frame(sock: socket.socket, data: bytes, fds: list[int] = ()) -> None:
     if fds:
         sent = socket.send_fds(sock, [data], list(fds))
         data = data[sent:]

@@ -250,14 +250,14 @@ class Agent:
         """Send a frame, its long strings first as blob events if the daemon would
         refuse its header (``protocol.spill``); raises FrameTooLarge before sending
         anything if even that is too large."""
-        header, blobs = protocol.spill(header)
+        head, blobs = protocol.spill(header)
         self._sending += 1
         try:
             for blob in blobs:
                 for at in range(0, len(blob), protocol.CHUNK):
                     protocol.send(self.sock, {"rid": header["rid"], "ev": "blob"},
                                   blob[at : at + protocol.CHUNK])
-            protocol.send(self.sock, header, payload)
+            protocol.send_frame(self.sock, protocol.frame(head, payload))
         finally:
             self._sending -= 1
 
