@@ -130,8 +130,6 @@ class _Request:
 
     def charge(self, content: int, size: int, final: bool) -> None:
         self.content += content
-        self.frames += 1
-        self.wire += size
         if not content and not final:
             self.empty += 1
             if self.empty > FRAME_SLACK:
@@ -140,16 +138,11 @@ class _Request:
         if self.content_budget is not None and self.content > self.content_budget:
             raise ProtocolViolation(
                 f"request {self.op!r} went past its output budget ({self.content_budget})")
-        if self.frame_budget is not None and self.frames > self.frame_budget:
-            raise ProtocolViolation(f"request {self.op!r} sent more than {self.frame_budget} "
-                                    "frames")
-        if self.abandoned and self.wire > ABANDONED_DRAIN:
-            raise ProtocolViolation(f"abandoned request {self.op!r} kept sending past "
-                                    f"{ABANDONED_DRAIN} bytes")
+        self.charge_frame(size)
 
-    def charge_blob(self, size: int) -> None:
-        """A blob frame: frames and wire like any other (its bytes are charged as content,
-        if they are, with the header they belong to)."""
+    def charge_frame(self, size: int) -> None:
+        """Any frame of the request, a blob too (a blob's bytes are charged as content, if
+        they are, with the header they belong to)."""
         self.frames += 1
         self.wire += size
         if self.frame_budget is not None and self.frames > self.frame_budget:
@@ -407,7 +400,7 @@ class AgentChannel:
         """Hold a blob event's payload for the request's next header."""
         if header.keys() - {"rid", "ev"} or not payload:
             raise ProtocolViolation("malformed blob event")
-        req.charge_blob(size)
+        req.charge_frame(size)
         self._spilled += len(payload)
         if self._spilled > protocol.MAX_SPILLED:
             raise ProtocolViolation(f"more than {protocol.MAX_SPILLED} bytes of blobs waiting "
