@@ -20,6 +20,9 @@ from branchbox.server.e2b_access import access_granted, addressed, is_sandbox_id
 from branchbox.server.errors import error_response
 
 ENVD_PORT, INTERPRETER_PORT = 49983, 49999
+E2B_ADDRESSED = "branchbox.e2b_addressed"
+"""Set in the scope of a request handed on here: its client sees the port's ``/`` as the
+root, not the proxy's path (the proxy keeps a ``Location`` the sandbox sends under it)."""
 
 
 class SandboxPorts:
@@ -50,5 +53,5 @@ class SandboxPorts:
         raw = [(k, v) for k, v in scope["headers"] if k != b"authorization"]
         if keys:  # the proxy checks the daemon's key; the token stood in for it here
             raw.append((b"authorization", f"Bearer {next(iter(keys))}".encode()))
-        await self.app({**scope, "path": path, "raw_path": path.encode(), "headers": raw},
-                       receive, send)
+        await self.app({**scope, "path": path, "raw_path": path.encode(), "headers": raw,
+                        E2B_ADDRESSED: True}, receive, send)

@@ -15,14 +15,33 @@ browser sends it here too: it is scoped to the daemon's origin, which this path
 shares). For the same reason a page served from here is run as its own opaque
 origin (``Content-Security-Policy: sandbox``): its scripts must not call the
 daemon's API with the cookie of an operator who opened it, and it may not set
-that cookie. What a sandbox sends back is bounded like everything else from it:
-a WebSocket message larger than ``WS_MAX_MESSAGE`` closes the relay (1009).
+that cookie, nor use headers that act on the daemon's whole origin
+(``Clear-Site-Data``, ``Alt-Svc``, ``Strict-Transport-Security``). Its redirects
+(``Location``, ``Content-Location``, ``Refresh``) stay under its own prefix: a
+client following ``307 Location: /v1/sandboxes/<another>`` would otherwise send the
+daemon's key there (same host), with the method it used (a DELETE closed another
+sandbox). What a sandbox sends back is bounded like everything else from it: a
+WebSocket message larger than ``WS_MAX_MESSAGE`` closes the relay (1009), and a relay
+holds at most a few messages (``relaying.SandboxConnection``).
+
+A proxied request ends when nobody can be served by it any more: its client hung up
+(also before the sandbox's server answered: it used to be held for ever, 256 of them
+refused every later request to that sandbox), or the sandbox's network is gone (a
+closed sandbox sends no reset: the daemon's sockets to it would wait for ever).
 """
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
+import re
+import socket
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple, TypeVar
+from urllib.parse import SplitResult, urljoin, urlsplit, urlunsplit
 
 import httpx
 import websockets
@@ -31,9 +50,17 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from branchbox.engine import errors
+from branchbox.engine.run_guard import CALLER_GONE, CallerGone
 from branchbox.engine.sandboxes import Engine
 from branchbox.server.deps import EngineDep, ws_key_ok
-from branchbox.server.relaying import HOP_BY_HOP, relay, subprotocols
+from branchbox.server.e2b_ports import E2B_ADDRESSED
+from branchbox.server.relaying import (
+    CLOSE_TIMEOUT,
+    HOP_BY_HOP,
+    SandboxConnection,
+    relay,
+    subprotocols,
+)
 from branchbox.server.ui.session import COOKIE
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["ports"])
@@ -56,6 +83,15 @@ _TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=60.0, pool=10.0)
 # sandbox has a cap of its own instead (beyond it: 429).
 _LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=64)
 PROXIED_PER_SANDBOX = 256
+NETWORK_CHECK_EVERY = 1.0
+"""Seconds between checks, per proxied request, that the sandbox's network is still there."""
+# Headers that act on the daemon's whole origin, which the sandbox's pages share.
+_ORIGIN_WIDE = {b"clear-site-data", b"alt-svc", b"strict-transport-security"}
+_LOCATIONS = {b"location", b"content-location"}
+_URL_NOISE = re.compile(r"[\t\n\r]")  # removed from anywhere in a URL by browsers
+_DOT = re.compile("%2e", re.IGNORECASE)
+_REFRESH = re.compile(r"\s*([\d.]+)\s*(?:[;,]\s*)?(?:url\s*=\s*)?(.*)", re.IGNORECASE | re.DOTALL)
+T = TypeVar("T")
 
 
 class PortUnreachable(errors.EngineError):
@@ -63,15 +99,25 @@ class PortUnreachable(errors.EngineError):
     kind = "SandboxError"
 
 
-def _target(engine: Engine, sandbox_id: str, port: int) -> str:
-    """``address:port`` of the sandbox (404 when it does not exist, 400 on a bad port)."""
+class _Target(NamedTuple):
+    address: str
+    port: int
+    body_key: str  # whose network it is: gone with that body (a close, a merge, a restore)
+
+    @property
+    def netloc(self) -> str:
+        return f"{self.address}:{self.port}"
+
+
+def _target(engine: Engine, sandbox_id: str, port: int) -> _Target:
+    """The sandbox's server (404 when it does not exist, 400 on a bad port)."""
     if not 1 <= port <= 65535:
         raise errors.InvalidRequest(f"port must be between 1 and 65535, not {port}")
     sb = engine.get(sandbox_id)
     address = engine.net.address(sb.body.key)
     if address is None:
         raise PortUnreachable("the sandbox has no network address")
-    return f"{address}:{port}"
+    return _Target(address, port, sb.body.key)
 
 
 def _client(request: Request) -> httpx.AsyncClient:
@@ -89,50 +135,114 @@ def _client(request: Request) -> httpx.AsyncClient:
 async def proxy_http(sandbox_id: str, port: int, request: Request, engine: EngineDep,
                      path: str = "") -> StreamingResponse:
     """Forward the request to ``port`` in the sandbox and stream the answer back."""
-    url = f"http://{_target(engine, sandbox_id, port)}/{path}"
+    target = _target(engine, sandbox_id, port)
+    where = _Where.of(request, target, sandbox_id, path)
     headers = _forwarded(request.headers.items())
     client = _client(request)
     release = _admit(request, sandbox_id)
+    vigil = _Vigil(lambda: engine.net.address(target.body_key) is not None)
     try:
-        return await _proxied(client, request, url, headers, port, release)
+        return await _proxied(client, request, where, headers, vigil, release)
     except BaseException:
+        vigil.close()
         release()
         raise
 
 
-async def _proxied(client: httpx.AsyncClient, request: Request, url: str,
-                   headers: list[tuple[str, str]], port: int,
+async def _proxied(client: httpx.AsyncClient, request: Request, where: _Where,
+                   headers: list[tuple[str, str]], vigil: _Vigil,
                    release: Callable[[], None]) -> StreamingResponse:
     # A body only when the request has one: an empty chunked body on a GET is bytes a
     # simple server never reads, and closing with unread bytes resets the connection.
     has_body = "content-length" in request.headers or "transfer-encoding" in request.headers
-    upstream = client.build_request(request.method, url, params=request.url.query or None,
-                                    headers=headers,
+    upstream = client.build_request(request.method, where.base,
+                                    params=request.url.query or None, headers=headers,
                                     content=request.stream() if has_body else None)
     try:
-        reply = await client.send(upstream, stream=True)
+        reply = await vigil.wait(client.send(upstream, stream=True))
     except httpx.TransportError as exc:
-        raise PortUnreachable(f"nothing answers on port {port} in the sandbox: "
+        raise PortUnreachable(f"nothing answers on port {where.target.port} in the sandbox: "
                               f"{type(exc).__name__}") from None
     weakref.finalize(reply, release)  # whatever happens to the answer below
 
     async def done() -> None:
+        vigil.close()
         release()
         await reply.aclose()
 
     async def body() -> AsyncIterator[bytes]:
         """The sandbox's body; its connection ends with it, also when our client leaves
-        mid-way (Starlette then skips the background task)."""
+        mid-way (Starlette then skips the background task) or the sandbox goes."""
+        chunks = reply.aiter_raw()
         try:
-            async for chunk in reply.aiter_raw():
+            while True:
+                try:
+                    chunk = await vigil.wait(anext(chunks))
+                except StopAsyncIteration:
+                    return
                 yield chunk
         finally:
             await done()
 
     response = StreamingResponse(body(), status_code=reply.status_code,
                                  background=BackgroundTask(done))
-    response.raw_headers = _returned(reply.headers.raw)
+    response.raw_headers = _returned(reply.headers.raw, where)
     return response
+
+
+class _Vigil:
+    """Ends a proxied request's waits on the sandbox's server once they can serve nobody:
+    our client hung up (CallerGone: ``server.disconnect`` tells), or the sandbox's network
+    is gone (PortUnreachable). The wait under way is cancelled there and then (its
+    connection is closed with it); a timer, not a task, watches the network."""
+
+    def __init__(self, alive: Callable[[], bool]) -> None:
+        self.error: errors.EngineError | None = None
+        self._alive = alive
+        self._waiting: asyncio.Task | None = None
+        self._cancelled = False
+        gone = CALLER_GONE.get()
+        self._undo = (gone.on_set(partial(self._end, CallerGone("the client went away")))
+                      if gone is not None else None)
+        self._timer = asyncio.get_running_loop().call_later(NETWORK_CHECK_EVERY, self._check)
+
+    async def wait(self, work: Awaitable[T]) -> T:
+        """``work``'s result, unless the request is given up first (then its error)."""
+        if self.error is not None:
+            raise self.error
+        task = asyncio.current_task()
+        assert task is not None
+        self._waiting = task
+        try:
+            return await work
+        except BaseException:
+            if not self._cancelled:
+                raise
+            self._cancelled = False
+            if task.uncancel() > 0:
+                raise  # the task itself was cancelled too
+            raise self.error from None
+        finally:
+            self._waiting = None
+
+    def close(self) -> None:
+        if self._undo is not None:
+            self._undo()
+        self._timer.cancel()
+
+    def _check(self) -> None:
+        if self._alive():
+            self._timer = asyncio.get_running_loop().call_later(NETWORK_CHECK_EVERY,
+                                                                self._check)
+        else:
+            self._end(PortUnreachable("the sandbox is gone: closed, or its body replaced"))
+
+    def _end(self, error: errors.EngineError) -> None:
+        if self.error is None:
+            self.error = error
+            if self._waiting is not None:
+                self._cancelled = True
+                self._waiting.cancel()
 
 
 def _admit(request: Request, sandbox_id: str) -> Callable[[], None]:
@@ -171,16 +281,126 @@ def _forwarded(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return kept
 
 
-def _returned(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+def _returned(raw: list[tuple[bytes, bytes]], where: _Where) -> list[tuple[bytes, bytes]]:
     """The sandbox's answer headers as sent (several Set-Cookie stay several), as bytes
     (whatever their charset), without hop-by-hop ones, uvicorn's own Date and Server,
-    or a cookie of the daemon's name; plus the opaque-origin policy."""
-    cookie = COOKIE.encode() + b"="
-    kept = [(name.lower(), value) for name, value in raw
-            if name.lower().decode("latin-1") not in _HOP
-            and name.lower() not in (b"date", b"server")
-            and not (name.lower() == b"set-cookie" and value.lstrip().startswith(cookie))]
+    a cookie of the daemon's name or a header that acts on the daemon's whole origin,
+    with its redirects kept under its prefix; plus the opaque-origin policy."""
+    kept = []
+    for name, value in raw:
+        name = name.lower()
+        if (name.decode("latin-1") in _HOP or name in (b"date", b"server")
+                or name in _ORIGIN_WIDE
+                or (name == b"set-cookie" and _cookie_name(value) == COOKIE.lower())):
+            continue
+        if name in _LOCATIONS:
+            value = where.relocated(value.decode("latin-1")).encode("latin-1")
+        elif name == b"refresh":
+            refresh = _refresh(value.decode("latin-1"), where)
+            if refresh is None:
+                continue
+            value = refresh.encode("latin-1")
+        kept.append((name, value))
     return [*kept, (b"content-security-policy", _PAGE_POLICY)]
+
+
+def _cookie_name(set_cookie: bytes) -> str:
+    """The name a browser gives the cookie of a ``Set-Cookie`` (RFC 6265bis 5.6: what
+    precedes the first ``=`` of its first pair, spaces and tabs around it removed; no
+    ``=``, no name), lower-cased: whatever the case, it is not the sandbox's to set."""
+    name, eq, _ = set_cookie.split(b";", 1)[0].partition(b"=")
+    return name.strip(b" \t").decode("latin-1").lower() if eq else ""
+
+
+def _refresh(value: str, where: _Where) -> str | None:
+    """A ``Refresh`` header (``<seconds>[; url=<ref>]``) with its URL relocated; None when
+    it cannot be read (a browser ignores those)."""
+    match = _REFRESH.fullmatch(value)
+    if match is None:
+        return None
+    delay, ref = match.group(1), match.group(2).strip()
+    if ref[:1] in ("'", '"'):
+        ref = ref[1:].split(ref[0], 1)[0]
+    return f"{delay}; url={where.relocated(ref)}" if ref else delay
+
+
+@dataclass(frozen=True)
+class _Where:
+    """Where the client sees the sandbox's server, to resolve the references it sends."""
+
+    target: _Target
+    base: str  # the URL the sandbox's server was asked: its relative references' base
+    prefix: str  # where the client sees the server's "/"
+    daemon: str  # the daemon's host name as the client named it
+    domain: bool  # E2B's addressing: every name under ``daemon`` is the daemon's
+
+    @classmethod
+    def of(cls, request: Request, target: _Target, sandbox_id: str, path: str) -> _Where:
+        host = _host_key(request.url.hostname or "")
+        base = f"http://{target.netloc}/{path}"
+        if not request.scope.get(E2B_ADDRESSED):
+            return cls(target, base, f"/v1/sandboxes/{sandbox_id}/ports/{target.port}", host,
+                       False)
+        # Named by E2B's Host or headers, the port's "/" is the root; by Host, every name
+        # in the domain after ``<port>-<id>.`` is the daemon's.
+        named = f"{target.port}-{sandbox_id}."
+        if host.startswith(named):
+            return cls(target, base, "", host.removeprefix(named), True)
+        return cls(target, base, "", host, False)
+
+    def relocated(self, ref: str) -> str:
+        """``ref`` as the client must see it. One on the sandbox's server (relative,
+        path-absolute, or absolute to the address the server was asked at) goes under the
+        prefix; so does one to the daemon's own host (its API is never the sandbox's to
+        point a client at); one to another host is the sandbox's business."""
+        ref = _URL_NOISE.sub("", ref.strip(" \t\f\v\x00")).replace("\\", "/")  # as browsers
+        url = urlsplit(urljoin(self.base, ref))
+        if not (self._on_server(url) or self._is_daemon(url.hostname)):
+            return ref
+        return urlunsplit(("", "", self.prefix + _undotted(url.path), url.query, url.fragment))
+
+    def _on_server(self, url: SplitResult) -> bool:
+        try:
+            port = url.port
+        except ValueError:
+            return False
+        return (url.scheme == "http" and url.hostname == self.target.address
+                and port == self.target.port)
+
+    def _is_daemon(self, hostname: str | None) -> bool:
+        if hostname is None:
+            return False
+        host = _host_key(hostname)
+        return host == self.daemon or (self.domain and host.endswith("." + self.daemon))
+
+
+def _host_key(hostname: str) -> str:
+    """A host name as browsers compare it: lower case, no final dot, an IPv4 address in
+    its dotted form whichever form it was written in (``2130706433``, ``0x7f.1``)."""
+    host = hostname.lower().rstrip(".")
+    with_v4 = re.fullmatch(r"[0-9a-fx.]+", host) and any(c.isdigit() for c in host)
+    try:
+        if with_v4:
+            return socket.inet_ntoa(socket.inet_aton(host))
+        return str(ipaddress.ip_address(host))
+    except (OSError, ValueError):
+        return host
+
+
+def _undotted(path: str) -> str:
+    """``path`` with its dot segments resolved (RFC 3986 5.2.4; ``%2e`` is a dot, as
+    browsers read it), never above its root and never starting with ``//`` (a host)."""
+    segments = _DOT.sub(".", path).split("/")[1:]
+    kept: list[str] = []
+    for segment in segments:
+        if segment == "..":
+            if kept:
+                kept.pop()
+        elif segment != ".":
+            kept.append(segment)
+    if segments and segments[-1] in (".", ".."):
+        kept.append("")
+    return "/" + "/".join(kept).lstrip("/")
 
 
 @ws_router.websocket("/{sandbox_id}/ports/{port}")
@@ -197,11 +417,12 @@ async def proxy_websocket(ws: WebSocket, sandbox_id: str, port: int, path: str =
         await ws.close(code=1008 if exc.status == 404 else 1011, reason=exc.message[:120])
         return
     query = ws.url.query
-    url = f"ws://{target}/{path}" + (f"?{query}" if query else "")
+    url = f"ws://{target.netloc}/{path}" + (f"?{query}" if query else "")
     try:
         upstream = await websockets.connect(url, subprotocols=subprotocols(ws),
                                             open_timeout=10, max_size=WS_MAX_MESSAGE,
-                                            max_queue=4, proxy=None)
+                                            max_queue=0, close_timeout=CLOSE_TIMEOUT,
+                                            create_connection=SandboxConnection, proxy=None)
     except (TimeoutError, OSError, websockets.WebSocketException):
         await ws.close(code=1011, reason=f"nothing answers on port {port} in the sandbox")
         return
