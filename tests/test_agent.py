@@ -331,6 +331,27 @@ def test_long_answers_go_ahead_as_blobs_and_come_back_whole(agent: AgentProcess)
                and protocol.tokens(h) <= protocol.MAX_AGENT_TOKENS for h in sent)
 
 
+def test_answers_of_many_short_values_stay_within_what_the_daemon_takes(
+        agent: AgentProcess) -> None:
+    """Short strings and numbers cannot go ahead as blobs: a JSON result of 150,000
+    numbers, or a ps of commands with thousands of arguments, made the whole answer a
+    PayloadTooLarge. The result is left out with a warning; ps lists an argv's first
+    1,024 arguments, and as many commands as fit, saying how many it left out."""
+    before = len(agent.headers)
+    _out, _err, result = agent.run(
+        "class Data:\n    def _repr_json_(self): return [0] * 150_000\nData()")
+    assert "application/json" not in result["results"]
+    assert any("application/json" in warning for warning in result["warnings"])
+    for _ in range(60):
+        agent.call("exec", cmd=["true", *["x"] * 3000], background=True)
+    listed = agent.call("ps")
+    assert all(len(c["argv"]) == 1024 for c in listed["commands"])
+    assert listed["commands"] and listed["omitted"] == 60 - len(listed["commands"]) > 0
+    assert all(len(h) <= protocol.MAX_AGENT_HEADER
+               and protocol.tokens(h) <= protocol.MAX_AGENT_TOKENS
+               for h in agent.headers[before:])
+
+
 def test_any_answer_too_large_for_a_frame_is_a_typed_failure(tmp_path: Path) -> None:
     """An answer past the frame limit made the daemon close the channel, and the REPL
     was gone (seen: an object whose ``_repr_html_`` is 100 MB). Every answer too large

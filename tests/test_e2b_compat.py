@@ -659,7 +659,7 @@ def test_bad_input_is_refused_never_a_server_error(daemon: ServedDaemon) -> None
                 ("POST", f"/sandboxes/{MISSING}/timeout", {"timeout": 10}),
                 ("POST", f"/sandboxes/{MISSING}/fork", {"count": 2}),
                 # Routes of E2B's API this server does not serve: the SDK reads ``code``.
-                ("GET", "/snapshots", None), ("DELETE", "/templates/x", None)):
+                ("GET", "/volumes", None), ("POST", "/secrets", {"name": "x"})):
             reply = http.request(method, path, **_body(body))
             assert "code" in reply.json(), (path, reply.text)
             assert 400 <= reply.status_code < 500 and reply.status_code != 401, (path, reply.text)

@@ -254,7 +254,9 @@ REDIRECTING = textwrap.dedent("""
 
     class Redirecting(BaseHTTPRequestHandler):
         def answer(self):
-            if self.path != "/":
+            targets = {"/": victim, "/scheme": "https:" + victim,
+                       "/named": "https://daemon.example" + victim}
+            if self.path not in targets:
                 body = self.path.encode()
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
@@ -262,7 +264,7 @@ REDIRECTING = textwrap.dedent("""
                 self.wfile.write(body)
                 return
             self.send_response(307)
-            self.send_header("Location", victim)
+            self.send_header("Location", targets[self.path])
             self.send_header("Content-Location", "../../../.." + victim)
             self.send_header("Refresh", "0; url=http://127.0.0.1:%s%s" % (sys.argv[2], victim))
             self.send_header("Set-Cookie", "branchbox_key =planted; Path=/")
@@ -295,9 +297,16 @@ def test_a_sandboxs_redirects_stay_under_its_prefix(served: ServedDaemon,
             reply = client.get(f"{prefix}/")
             followed = client.delete(f"{prefix}/", follow_redirects=True)
             assert client.get(f"/v1/sandboxes/{victim.id}").status_code == 200
+            # "https:/v1/..." names no host: on an https page (a TLS proxy in front) it is
+            # the daemon's own path; a proxy's name for the daemon is the daemon's too.
+            scheme_only = client.get(f"{prefix}/scheme").headers["location"]
+            named = client.get(f"{prefix}/named", headers={
+                "X-Forwarded-Host": "daemon.example"}).headers["location"]
+            elsewhere = client.get(f"{prefix}/named").headers["location"]
     moved = f"{prefix}/v1/sandboxes/{victim.id}"
     assert followed.status_code == 200 and followed.text == f"/v1/sandboxes/{victim.id}"
-    assert reply.headers["location"] == moved
+    assert reply.headers["location"] == scheme_only == named == moved
+    assert elsewhere == f"https://daemon.example/v1/sandboxes/{victim.id}"  # another host
     assert reply.headers["content-location"] == moved
     assert reply.headers["refresh"] == f"0; url={moved}"
     assert reply.headers.get_list("set-cookie") == ["app=1; Path=/"]

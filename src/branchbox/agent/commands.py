@@ -53,7 +53,7 @@ _NOT_FOUND = b"command not found"
 # What starting a command through the command namespace's init (spawner) fails with once
 # that init is gone: nothing can be started in its namespace any more.
 _INIT_GONE = (errno.EPIPE, errno.ECONNRESET, errno.ECONNREFUSED, errno.ENOTCONN)
-_MAX_LISTED = 4096  # commands in a ps answer (the sandbox's pids limit is 1024 by default)
+_MAX_ARGS = 1024  # arguments of a command a ps answer lists
 
 
 class Process(Protocol):
@@ -598,30 +598,25 @@ class Commands:
 
     def handle_ps(self, agent: Agent, req: dict, payload: bytes, fds: list[int]) -> None:
         """``ps``: the background commands not yet collected by a wait, in the order they
-        started; past :data:`_MAX_LISTED`, those running and then the latest finished
-        (an answer is bounded: ``protocol.MAX_AGENT_TOKENS``), and then ``omitted``: how many
-        were left out."""
-        shown = list(self.background.values())
-        if len(shown) > _MAX_LISTED:
-            running = {c.pid for c in shown if c.exit_code is None}
-            finished = [c.pid for c in shown if c.pid not in running]
-            keep = running | set(finished[len(finished) - max(0, _MAX_LISTED - len(running)):])
-            shown = [c for c in shown if c.pid in keep]
-        commands = [
-            {
-                "pid": c.pid,
-                "cmd": c.display,
-                "argv": c.argv,
-                "running": c.exit_code is None,
-                "exit_code": c.exit_code,
-                "stdin": c.stdin is not None,
-                "pty": c.terminal,
-            }
-            for c in shown
-        ]
-        answer: dict = {"commands": commands}
-        if len(shown) < len(self.background):
-            answer["omitted"] = len(self.background) - len(shown)
+        started, as many as one answer carries (half of ``protocol.MAX_AGENT_TOKENS``
+        values: short strings cannot go as blobs): the running ones first, then the
+        latest finished; ``omitted`` says how many were left out. An argv is listed up to
+        its first :data:`_MAX_ARGS` arguments."""
+        started = list(self.background.values())
+        ranked = [c for c in started if c.exit_code is None] + \
+            [c for c in reversed(started) if c.exit_code is not None]
+        room, entries = protocol.MAX_AGENT_TOKENS // 2, {}
+        for c in ranked:
+            entry = {"pid": c.pid, "cmd": c.display, "argv": c.argv[:_MAX_ARGS],
+                     "running": c.exit_code is None, "exit_code": c.exit_code,
+                     "stdin": c.stdin is not None, "pty": c.terminal}
+            room -= protocol.tokens(json.dumps(entry).encode())
+            if room < 0:
+                break
+            entries[c.pid] = entry
+        answer: dict = {"commands": [entries[c.pid] for c in started if c.pid in entries]}
+        if len(entries) < len(started):
+            answer["omitted"] = len(started) - len(entries)
         agent.done(req["rid"], answer)
 
     def _find(self, req: dict) -> Command:

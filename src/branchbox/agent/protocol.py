@@ -117,8 +117,9 @@ def spill(header: dict) -> tuple[bytes, list[bytes]]:
 
 
 def tokens(encoded: bytes) -> int:
-    """Commas and opening brackets in JSON text: more than the values it holds, fewer
-    than none (string contents count too), and counted at memchr speed."""
+    """Commas and opening brackets in JSON text, counted at memchr speed: the values and
+    keys it holds are at most twice as many, plus one (a string's own commas and brackets
+    count too, so never fewer)."""
     return encoded.count(b",") + encoded.count(b"[") + encoded.count(b"{")
 
 
@@ -158,7 +159,7 @@ def unspill(header: dict, data: bytes) -> dict:
         return header
     if not isinstance(named, list) or not named:
         raise ValueError("blobs must be a non-empty list")
-    at = 0
+    at, view = 0, memoryview(data)  # each string decoded from its slice, not a copy of it
     for item in named:
         if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], list)
                 and 0 < len(item[0]) <= _SPILL_DEPTH
@@ -168,7 +169,7 @@ def unspill(header: dict, data: bytes) -> dict:
         path, size = item
         if at + size > len(data):
             raise ValueError("blobs name more bytes than came")
-        text = data[at : at + size].decode("utf-8", "surrogatepass")
+        text = str(view[at : at + size], "utf-8", "surrogatepass")
         at += size
         try:
             if _get(header, path) is not None:

@@ -45,6 +45,7 @@ import types
 import warnings
 from typing import Any
 
+from . import protocol
 from .capture import FdCapture
 from .forking import take_warning as take_fork_warning
 from .server import Agent, OutputLimit, RequestError, output_limit, param, timeout_param
@@ -60,7 +61,8 @@ _PIECE = 128 * 1024
 # the answer's header as blobs, at most protocol.MAX_SPILLED bytes of them.
 MAX_RESULTS = 32 * 1024 * 1024
 # JSON bytes of rich results that are not strings (application/json): those stay in the
-# header, which the daemon takes up to protocol.MAX_AGENT_HEADER.
+# header, which the daemon takes up to protocol.MAX_AGENT_HEADER (and a quarter of its
+# protocol.MAX_AGENT_TOKENS values).
 MAX_STRUCTURED = 512 * 1024
 _READ_SIZE = 64 * 1024
 _RICH = (
@@ -558,16 +560,18 @@ def _fit(outcome: _Outcome) -> str:
         if len(trace) > MAX_REPR:
             outcome.error["traceback"] = ("[branchbox: traceback truncated]\n"
                                           + trace[-MAX_REPR:])
-    room, structured = MAX_RESULTS, MAX_STRUCTURED
+    room, structured, values = MAX_RESULTS, MAX_STRUCTURED, protocol.MAX_AGENT_TOKENS // 4
     dropped = []
     for mime, data in list(outcome.results.items()):
         size = _json_size(data)
-        if size > room or not isinstance(data, str) and size > structured:
+        cost = 0 if isinstance(data, str) else protocol.tokens(json.dumps(data).encode())
+        if size > room or not isinstance(data, str) and (size > structured or cost > values):
             del outcome.results[mime]
             dropped.append(f"{mime} ({size / 2**20:.1f} MiB)")
         else:
             room -= size
             structured -= 0 if isinstance(data, str) else size
+            values -= cost
     kept = []
     for figure in outcome.figures:
         size = sum(map(_json_size, figure.values()))
@@ -580,7 +584,8 @@ def _fit(outcome: _Outcome) -> str:
     if not dropped:
         return ""
     return (f"left out of the answer, past its {MAX_RESULTS >> 20} MiB of results (of which "
-            f"{MAX_STRUCTURED >> 10} KiB of JSON values other than text): " + ", ".join(dropped))
+            f"{MAX_STRUCTURED >> 10} KiB and {protocol.MAX_AGENT_TOKENS // 4} values of JSON "
+            "other than text): " + ", ".join(dropped))
 
 
 def _json_size(data: Any) -> int:

@@ -44,10 +44,15 @@ class Sample:
 
 def read(body: Body, used: Callable[[Path], int | None]) -> tuple[float, int, int, int | None]:
     """(CPU seconds, memory bytes, page cache bytes, disk bytes) of ``body`` now: files
-    read only, safe off the event loop. Raises OSError once its cgroup is gone."""
+    read only, safe off the event loop. Raises FileNotFoundError once its cgroup is gone;
+    the disk is None where its volume's quota group cannot be read."""
     cgroup = body.cgroup
-    return (cgroup.cpu_seconds(), cgroup.memory_bytes(), cgroup.memory_cache_bytes(),
-            used(body.layers.volume))
+    counted = cgroup.cpu_seconds(), cgroup.memory_bytes(), cgroup.memory_cache_bytes()
+    try:
+        disk = used(body.layers.volume)
+    except OSError:
+        disk = None
+    return (*counted, disk)
 
 
 def sample(body: Body, reading: tuple[float, int, int, int | None], since: CpuMark | None,

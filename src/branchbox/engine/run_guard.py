@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextvars import ContextVar
 from typing import TypeVar
 
@@ -160,61 +161,71 @@ async def until_gone(events: AsyncIterator[T], limit: float | None = None) -> As
         await events.aclose()  # type: ignore[attr-defined]
 
 
-class _Cut:
-    """Ends the wait for a call's next event when its caller hangs up or its time is up,
-    by cancelling the waiting task there and then (a timer and a callback: no task and
-    no ``asyncio.wait`` per event, which cost a run ~0.1 ms of the daemon's loop)."""
+class CutWait:
+    """Cancels the task waiting in :meth:`wait` the moment :meth:`cut` is called (from a
+    callback or a timer: no task and no ``asyncio.wait`` per wait, which cost a run ~0.1 ms
+    of the daemon's loop an event); from then on every wait raises the cut's error."""
 
-    def __init__(self, gone: Hangup | None, limit: float | None) -> None:
-        self.limit = limit
-        self.why: str | None = None  # "gone" or "limit", once cut
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
         self._waiting: asyncio.Task | None = None
         self._cancelled = False
-        self._undo = gone.on_set(lambda: self._fire("gone")) if gone is not None else None
-        self._timer = None if limit is None else asyncio.get_running_loop().call_later(
-            limit, self._fire, "limit")
 
-    def _fire(self, why: str) -> None:
-        if self.why is None:
-            self.why = why
+    def cut(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
             if self._waiting is not None:
                 self._cancelled = True
                 self._waiting.cancel()
 
-    async def next(self, events: AsyncIterator[T]) -> T:
-        """The next of ``events``; CallerGone or SandboxTimeout once cut."""
-        if self.why is not None:
-            raise self._error()
+    async def wait(self, work: Awaitable[T]) -> T:
+        """``work``'s result, or the cut's error once cut (before or while waiting)."""
+        if self.error is not None:
+            if inspect.iscoroutine(work):
+                work.close()  # never awaited: said, not warned about
+            raise self.error
         task = asyncio.current_task()
         assert task is not None
         self._waiting = task
         try:
-            item = await anext(events)
+            result = await work
         except asyncio.CancelledError:
             if not self._cancelled or task.uncancel() > 0:
                 raise  # the task itself was cancelled (too)
-            raise self._error() from None
+            self._cancelled = False
+            raise self.error from None
         except BaseException:
             if not self._cancelled:
                 raise
             self._cancelled = False  # swallowed below, which then failed otherwise
             task.uncancel()
-            raise self._error() from None
+            raise self.error from None
         finally:
             self._waiting = None
         if self._cancelled:  # something under the wait swallowed our cancel: take it back
             self._cancelled = False
             task.uncancel()
-        if self.why is not None:
-            raise self._error()
-        return item
+        if self.error is not None:
+            raise self.error
+        return result
 
-    def _error(self) -> errors.EngineError:
-        if self.why == "gone":
-            return CallerGone("the client went away during the call; it was interrupted")
-        return errors.SandboxTimeout(
-            f"the sandbox's REPL did not answer within {self.limit:g} s (code it runs "
-            "holds it); retry later, or close the sandbox")
+
+class _Cut(CutWait):
+    """Ends the wait for a call's next event when its caller hangs up or its time is up."""
+
+    def __init__(self, gone: Hangup | None, limit: float | None) -> None:
+        super().__init__()
+        self._undo = gone.on_set(lambda: self.cut(CallerGone(
+            "the client went away during the call; it was interrupted"))) \
+            if gone is not None else None
+        self._timer = None if limit is None else asyncio.get_running_loop().call_later(
+            limit, lambda: self.cut(errors.SandboxTimeout(
+                f"the sandbox's REPL did not answer within {limit:g} s (code it runs holds "
+                "it); retry later, or close the sandbox")))
+
+    async def next(self, events: AsyncIterator[T]) -> T:
+        """The next of ``events``; CallerGone or SandboxTimeout once cut."""
+        return await self.wait(anext(events))
 
     def close(self) -> None:
         if self._undo is not None:

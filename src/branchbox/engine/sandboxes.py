@@ -165,9 +165,9 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
         self._thaw_guard = ThawGuard(cfg.cgroup_group)  # nothing stays frozen if we die
         self._thaw_guard.watch()
         self._reap_leftovers({s.record.instance for s in survivors.values()})
-        log.info("all sandboxes of this host together: at most %(pids)d processes, "
-                 "%(memory)d bytes of memory", bound_all_sandboxes())
-        log.info("inotify instances per host user: %d", widen_inotify_budget())
+        log.info("all sandboxes of this host together: at most %(pids)s processes, "
+                 "%(memory)s bytes of memory", bound_all_sandboxes())
+        log.info("inotify instances per host user: %s", widen_inotify_budget())
         self._mark_stopped(set(survivors))
         self.store = choose_backend(cfg.data_dir, cfg.storage)
         self.layers = Layers(
@@ -293,7 +293,7 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
         body = sb.body
         try:
             reading = await asyncio.to_thread(metrics.read, body, self.store.used)
-        except OSError:  # its cgroup went with it: closed meanwhile
+        except FileNotFoundError:  # its cgroup went with it: closed meanwhile
             raise errors.SandboxNotFound() from None
         limit = self._limits(sb.record.meta.get("memory_mb")).memory_bytes
         out = metrics.sample(body, reading, sb.cpu_mark, sb.record.created, limit)

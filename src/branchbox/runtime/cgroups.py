@@ -63,27 +63,29 @@ def detect_version(root: Path = CGROUP_ROOT) -> int:
 
 
 HOST_PIDS_KEPT = 4  # of kernel.pid_max, the host keeps this fraction (1/4) for itself
-HOST_MEMORY_KEPT = (2 << 30, 10)  # bytes, or this fraction (1/10) of RAM, what is larger
+HOST_MEMORY_KEPT = (2 << 30, 10, 4)  # max(2 GiB, 1/10) of RAM, never more than 1/4
 
 
-def bound_all_sandboxes(root: Path = CGROUP_ROOT) -> dict[str, int]:
+def bound_all_sandboxes(root: Path = CGROUP_ROOT) -> dict[str, int | str]:
     """Bound what every sandbox of this host may take together, in the ``branchbox``
     cgroup all of theirs are under: processes to 3/4 of ``kernel.pid_max`` and memory to
-    all of RAM but max(2 GiB, 1/10). Each sandbox has its own limits (1,024 processes, 4
-    GiB by default), but nothing bounded their sum: a family of 31 fork children reached
-    the kernel's 32,768 pids and nothing on the host could fork, and four 2 GiB children
-    of one 8 GiB host would leave its OOM killer to choose among the host's processes.
-    Returns the bounds set."""
+    all of RAM but max(2 GiB, 1/10) (at most 1/4 of it). Each sandbox has its own limits
+    (1,024 processes, 4 GiB by default), but nothing bounded their sum: a family of 31
+    fork children reached the kernel's 32,768 pids and nothing on the host could fork,
+    and four 2 GiB children on an 8 GiB host would leave its OOM killer to choose among
+    the host's processes. Returns each bound set, or why it could not be (a start goes
+    on without it: sandboxes that survived a restart may already hold more, EBUSY)."""
     pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
     page = os.sysconf("SC_PAGE_SIZE")
     ram = page * os.sysconf("SC_PHYS_PAGES")
-    memory = ram - max(HOST_MEMORY_KEPT[0], ram // HOST_MEMORY_KEPT[1])
+    least, tenth, quarter = HOST_MEMORY_KEPT
+    kept = min(max(least, ram // tenth), ram // quarter)
     bounds = {"pids": pid_max - pid_max // HOST_PIDS_KEPT,
-              "memory": memory // page * page}  # as the kernel keeps it
+              "memory": (ram - kept) // page * page}  # as the kernel keeps it
     if detect_version(root) == 2:
         top = root / "branchbox"
         subtree = root / "cgroup.subtree_control"
-        if "memory" not in subtree.read_text():
+        if {"memory", "pids"} - set(subtree.read_text().split()):
             subtree.write_text("+memory +pids +cpu")
         top.mkdir(exist_ok=True)
         files = {"pids": top / "pids.max", "memory": top / "memory.max"}
@@ -92,9 +94,14 @@ def bound_all_sandboxes(root: Path = CGROUP_ROOT) -> dict[str, int]:
             (root / controller / "branchbox").mkdir(exist_ok=True)
         files = {"pids": root / "pids" / "branchbox" / "pids.max",
                  "memory": root / "memory" / "branchbox" / "memory.limit_in_bytes"}
+    done: dict[str, int | str] = {}
     for name, path in files.items():
-        path.write_text(str(bounds[name]))
-    return bounds
+        try:
+            path.write_text(str(bounds[name]))
+            done[name] = bounds[name]
+        except OSError as exc:
+            done[name] = f"not set ({exc.strerror})"
+    return done
 
 
 @dataclass(frozen=True)

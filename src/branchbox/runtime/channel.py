@@ -122,6 +122,7 @@ class _Request:
     empty: int = 0
     wire: int = 0
     spilled: list[bytes] = field(default_factory=list)  # blobs for its next header
+    spilled_bytes: int = 0  # theirs (counted, not kept, once the request is abandoned)
     abandoned: bool = False
     finished: bool = False  # its final event (done or fail) has arrived
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # final event, or channel gone
@@ -203,14 +204,16 @@ def _budget(op: str | None, args: dict | None) -> tuple[int | None, int | None]:
     return content, content + FRAME_SLACK
 
 
-def _routing(header: object) -> tuple[int, object]:
+def _routing(header: object) -> tuple[int, str]:
     """(rid, kind) of a frame's header; raises ProtocolViolation."""
     if not isinstance(header, dict):
         raise ProtocolViolation(f"header is a JSON {type(header).__name__}, not an object")
-    rid = header.get("rid")
+    rid, ev = header.get("rid"), header.get("ev")
     if not isinstance(rid, int) or isinstance(rid, bool):
         raise ProtocolViolation(f"rid must be an integer, got {type(rid).__name__}")
-    return rid, header.get("ev")
+    if not isinstance(ev, str):
+        raise ProtocolViolation(f"ev must be a string, got {type(ev).__name__}")
+    return rid, ev
 
 
 def _check(header: dict, payload: bytes) -> int:
@@ -321,7 +324,7 @@ class AgentChannel:
             raise ProtocolViolation(f"header of more than {protocol.MAX_AGENT_TOKENS} values")
         try:
             header = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # "[" * 5,000: deeper than json.loads goes
             raise ProtocolViolation("header is not JSON") from None
         del raw
         payload = bytes(await self._recv_exact(plen)) if plen else b""
@@ -352,9 +355,14 @@ class AgentChannel:
                 if ev == "blob":
                     self._take_blob(req, header, payload, size)
                     continue
-                if req.spilled or "blobs" in header:
-                    size += self._unspill(req, header)
-                content = _check(header, payload)
+                if req.spilled_bytes or "blobs" in header:
+                    spilled = self._unspill(req, header)
+                    size += spilled
+                    # An abandoned request's blobs were not kept: its header, dropped, is
+                    # not put back together, only counted.
+                    content = spilled if req.abandoned else _check(header, payload)
+                else:
+                    content = _check(header, payload)
                 if req.op == "list" and ev == "chunk" and len(payload) > LIST_CHUNK:
                     raise ProtocolViolation(f"a listing's chunk of {len(payload)} bytes")
                 req.charge(content, size, ev in _FINAL)
@@ -391,16 +399,24 @@ class AgentChannel:
                     self.sock.shutdown(socket.SHUT_RDWR)
             self.closed.set()
             for req in self._pending.values():
+                self._release(req)
                 req.ready.set()
                 req.space.set()
                 req.ended.set()
             self._orphans.clear()
 
     def _take_blob(self, req: _Request, header: dict, payload: bytes, size: int) -> None:
-        """Hold a blob event's payload for the request's next header."""
+        """Hold a blob event's payload for the request's next header (an abandoned
+        request's is only counted: nobody will read what it belongs to)."""
         if header.keys() - {"rid", "ev"} or not payload:
             raise ProtocolViolation("malformed blob event")
         req.charge_frame(size)
+        req.spilled_bytes += len(payload)
+        if req.spilled_bytes > protocol.MAX_SPILLED:
+            raise ProtocolViolation(f"more than {protocol.MAX_SPILLED} bytes of blobs for "
+                                    "one header")
+        if req.abandoned:
+            return
         self._spilled += len(payload)
         if self._spilled > protocol.MAX_SPILLED:
             raise ProtocolViolation(f"more than {protocol.MAX_SPILLED} bytes of blobs waiting "
@@ -408,15 +424,25 @@ class AgentChannel:
         req.spilled.append(payload)
 
     def _unspill(self, req: _Request, header: dict) -> int:
-        """Put the request's blobs back into ``header``; the bytes they add to its frame."""
-        data = b"".join(req.spilled)
-        req.spilled.clear()
-        self._spilled -= len(data)
+        """Put the request's blobs back into ``header`` (an abandoned request's: only drop
+        their names); the bytes they add to its frame."""
+        size, data = req.spilled_bytes, b"".join(req.spilled)
+        self._release(req)
+        if req.abandoned:
+            header.pop("blobs", None)
+            return size
         try:
             protocol.unspill(header, data)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ProtocolViolation(f"blobs: {exc}"[:200]) from None
-        return len(data)
+        return size
+
+    def _release(self, req: _Request) -> None:
+        """Let go of the blobs ``req`` holds (it ended, was abandoned or replaced)."""
+        self._spilled -= sum(map(len, req.spilled))
+        req.spilled.clear()
+        if not req.abandoned:
+            req.spilled_bytes = 0
 
     async def send(self, header: dict, payload: bytes = b"", fds: list[int] = ()) -> None:
         data = protocol.encode(header, payload)
@@ -444,6 +470,8 @@ class AgentChannel:
     def _open(self, rid: int, op: str | None, args: dict | None) -> RequestQueue:
         content, frames = _budget(op, args)
         req = _Request(op, content, frames)
+        if (replaced := self._pending.get(rid)) is not None:
+            self._release(replaced)
         self._pending[rid] = req
         return RequestQueue(self, rid, req)
 
@@ -454,8 +482,9 @@ class AgentChannel:
         if req is None or req.abandoned:
             return
         if req.finished or self.closed.is_set():
-            self._pending.pop(rid, None)
+            self._release(self._pending.pop(rid))
             return
+        self._release(req)  # what it spilled so far is never read
         req.abandoned = True
         self._orphans.add(req)
         req.items.clear()
@@ -503,7 +532,8 @@ class AgentChannel:
         try:
             await self.send({"op": op, "rid": rid, **(args or {})}, payload, fds)
         except BaseException:
-            self._pending.pop(rid, None)
+            if (req := self._pending.pop(rid, None)) is not None:
+                self._release(req)
             raise
         async for item in self.events(rid, queue):
             yield item

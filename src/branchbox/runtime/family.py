@@ -490,16 +490,19 @@ default): every family of a template draws on its owner's, up to 128 each
 (``launching.FAMILY_SYSCTLS``), so 128 in all would serve one family."""
 
 
-def widen_inotify_budget() -> int:
+def widen_inotify_budget() -> str:
     """Raise ``fs.inotify.max_user_instances`` to TEMPLATE_INOTIFY_INSTANCES if lower;
-    the limit now. A host-wide setting (each user's own limit), as container hosts
-    raise it for the same reason."""
+    the limit now (or why it stays: a read-only /proc/sys). A host-wide setting (each
+    user's own limit), as container hosts raise it for the same reason."""
     path = Path("/proc/sys/fs/inotify/max_user_instances")
     now = int(path.read_text())
     if now < TEMPLATE_INOTIFY_INSTANCES:
-        path.write_text(str(TEMPLATE_INOTIFY_INSTANCES))
+        try:
+            path.write_text(str(TEMPLATE_INOTIFY_INSTANCES))
+        except OSError as exc:
+            return f"{now} (not raised: {exc.strerror})"
         now = TEMPLATE_INOTIFY_INSTANCES
-    return now
+    return str(now)
 
 
 async def start_template(

@@ -61,7 +61,7 @@ def code_of(exc: BaseException) -> tuple[str, str]:
         return exc.code, exc.message
     if isinstance(exc, errors.SandboxTimeout):
         return "deadline_exceeded", exc.message
-    if isinstance(exc, errors.SandboxNotFound):  # E2B's proxy: a 502, "unavailable"
+    if isinstance(exc, errors.SandboxNotFound):  # what E2B's proxy's 502 is to a Connect client
         return "unavailable", NOT_RUNNING
     status, message, _ = describe(exc)
     return _CODE_OF_STATUS.get(status, "internal" if status >= 500 else "unknown"), message

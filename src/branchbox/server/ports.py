@@ -33,15 +33,16 @@ closed sandbox sends no reset: the daemon's sockets to it would wait for ever).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import re
 import socket
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import NamedTuple, TypeVar
-from urllib.parse import SplitResult, urljoin, urlsplit, urlunsplit
+from typing import NamedTuple
+from urllib.parse import SplitResult, unquote, urljoin, urlsplit, urlunsplit
 
 import httpx
 import websockets
@@ -50,7 +51,7 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from branchbox.engine import errors
-from branchbox.engine.run_guard import CALLER_GONE, CallerGone
+from branchbox.engine.run_guard import CALLER_GONE, CallerGone, CutWait
 from branchbox.engine.sandboxes import Engine
 from branchbox.server.deps import EngineDep, ws_key_ok
 from branchbox.server.e2b_ports import E2B_ADDRESSED
@@ -90,8 +91,9 @@ _ORIGIN_WIDE = {b"clear-site-data", b"alt-svc", b"strict-transport-security"}
 _LOCATIONS = {b"location", b"content-location"}
 _URL_NOISE = re.compile(r"[\t\n\r]")  # removed from anywhere in a URL by browsers
 _DOT = re.compile("%2e", re.IGNORECASE)
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
+_SPECIAL = frozenset({"http", "https", "ws", "wss"})  # the URL standard's, that take hosts
 _REFRESH = re.compile(r"\s*([\d.]+)\s*(?:[;,]\s*)?(?:url\s*=\s*)?(.*)", re.IGNORECASE | re.DOTALL)
-T = TypeVar("T")
 
 
 class PortUnreachable(errors.EngineError):
@@ -178,8 +180,8 @@ async def _proxied(client: httpx.AsyncClient, request: Request, where: _Where,
             while True:
                 try:
                     chunk = await vigil.wait(anext(chunks))
-                except StopAsyncIteration:
-                    return
+                except (StopAsyncIteration, CallerGone, PortUnreachable):
+                    return  # past the headers, a body cut short is all there is to say
                 yield chunk
         finally:
             await done()
@@ -190,40 +192,19 @@ async def _proxied(client: httpx.AsyncClient, request: Request, where: _Where,
     return response
 
 
-class _Vigil:
+class _Vigil(CutWait):
     """Ends a proxied request's waits on the sandbox's server once they can serve nobody:
     our client hung up (CallerGone: ``server.disconnect`` tells), or the sandbox's network
     is gone (PortUnreachable). The wait under way is cancelled there and then (its
     connection is closed with it); a timer, not a task, watches the network."""
 
     def __init__(self, alive: Callable[[], bool]) -> None:
-        self.error: errors.EngineError | None = None
+        super().__init__()
         self._alive = alive
-        self._waiting: asyncio.Task | None = None
-        self._cancelled = False
         gone = CALLER_GONE.get()
-        self._undo = (gone.on_set(partial(self._end, CallerGone("the client went away")))
+        self._undo = (gone.on_set(partial(self.cut, CallerGone("the client went away")))
                       if gone is not None else None)
         self._timer = asyncio.get_running_loop().call_later(NETWORK_CHECK_EVERY, self._check)
-
-    async def wait(self, work: Awaitable[T]) -> T:
-        """``work``'s result, unless the request is given up first (then its error)."""
-        if self.error is not None:
-            raise self.error
-        task = asyncio.current_task()
-        assert task is not None
-        self._waiting = task
-        try:
-            return await work
-        except BaseException:
-            if not self._cancelled:
-                raise
-            self._cancelled = False
-            if task.uncancel() > 0:
-                raise  # the task itself was cancelled too
-            raise self.error from None
-        finally:
-            self._waiting = None
 
     def close(self) -> None:
         if self._undo is not None:
@@ -235,14 +216,7 @@ class _Vigil:
             self._timer = asyncio.get_running_loop().call_later(NETWORK_CHECK_EVERY,
                                                                 self._check)
         else:
-            self._end(PortUnreachable("the sandbox is gone: closed, or its body replaced"))
-
-    def _end(self, error: errors.EngineError) -> None:
-        if self.error is None:
-            self.error = error
-            if self._waiting is not None:
-                self._cancelled = True
-                self._waiting.cancel()
+            self.cut(PortUnreachable("the sandbox is gone: closed, or its body replaced"))
 
 
 def _admit(request: Request, sandbox_id: str) -> Callable[[], None]:
@@ -331,22 +305,23 @@ class _Where:
     target: _Target
     base: str  # the URL the sandbox's server was asked: its relative references' base
     prefix: str  # where the client sees the server's "/"
-    daemon: str  # the daemon's host name as the client named it
-    domain: bool  # E2B's addressing: every name under ``daemon`` is the daemon's
+    daemon: frozenset[str]  # the daemon's host names as the client may see them
+    domain: bool  # E2B's addressing: every name under one of ``daemon`` is the daemon's
 
     @classmethod
     def of(cls, request: Request, target: _Target, sandbox_id: str, path: str) -> _Where:
         host = _host_key(request.url.hostname or "")
+        names = {host, *_forwarded_hosts(request)}  # behind a proxy: its name too
         base = f"http://{target.netloc}/{path}"
         if not request.scope.get(E2B_ADDRESSED):
-            return cls(target, base, f"/v1/sandboxes/{sandbox_id}/ports/{target.port}", host,
-                       False)
+            return cls(target, base, f"/v1/sandboxes/{sandbox_id}/ports/{target.port}",
+                       frozenset(names), False)
         # Named by E2B's Host or headers, the port's "/" is the root; by Host, every name
         # in the domain after ``<port>-<id>.`` is the daemon's.
         named = f"{target.port}-{sandbox_id}."
         if host.startswith(named):
-            return cls(target, base, "", host.removeprefix(named), True)
-        return cls(target, base, "", host, False)
+            return cls(target, base, "", frozenset({*names, host.removeprefix(named)}), True)
+        return cls(target, base, "", frozenset(names), False)
 
     def relocated(self, ref: str) -> str:
         """``ref`` as the client must see it. One on the sandbox's server (relative,
@@ -354,6 +329,11 @@ class _Where:
         prefix; so does one to the daemon's own host (its API is never the sandbox's to
         point a client at); one to another host is the sandbox's business."""
         ref = _URL_NOISE.sub("", ref.strip(" \t\f\v\x00")).replace("\\", "/")  # as browsers
+        if (scheme := _SCHEME.match(ref)) and scheme.group(1).lower() in _SPECIAL \
+                and not ref[scheme.end():].startswith("//"):
+            # "https:/v1/..." names no host: a browser (or requests, httpx) on a page of
+            # that scheme reads it as a path of the page's host: the daemon's.
+            ref = ref[scheme.end():]
         url = urlsplit(urljoin(self.base, ref))
         if not (self._on_server(url) or self._is_daemon(url.hostname)):
             return ref
@@ -371,13 +351,28 @@ class _Where:
         if hostname is None:
             return False
         host = _host_key(hostname)
-        return host == self.daemon or (self.domain and host.endswith("." + self.daemon))
+        return host in self.daemon or (self.domain and any(
+            host.endswith("." + name) for name in self.daemon))
+
+
+def _forwarded_hosts(request: Request) -> list[str]:
+    """The host names a proxy in front of the daemon says the client used
+    (``X-Forwarded-Host``, ``Forwarded: host=``), as :func:`_host_key` keeps them."""
+    named = [part for value in request.headers.getlist("x-forwarded-host")
+             for part in value.split(",")]
+    named += [m.group(1) for value in request.headers.getlist("forwarded")
+              for m in re.finditer(r'host="?([^";,]+)', value, re.IGNORECASE)]
+    return [_host_key(urlsplit(f"//{name.strip()}").hostname or "") for name in named]
 
 
 def _host_key(hostname: str) -> str:
-    """A host name as browsers compare it: lower case, no final dot, an IPv4 address in
-    its dotted form whichever form it was written in (``2130706433``, ``0x7f.1``)."""
-    host = hostname.lower().rstrip(".")
+    """A host name as browsers compare it: percent-decoded, IDNA-mapped (full-width
+    letters, a soft hyphen), lower case, no final dot, an IPv4 address in its dotted form
+    whichever form it was written in (``2130706433``, ``0x7f.1``)."""
+    host = unquote(hostname)
+    with contextlib.suppress(UnicodeError):
+        host = host.encode("idna").decode("ascii")
+    host = host.lower().rstrip(".")
     with_v4 = re.fullmatch(r"[0-9a-fx.]+", host) and any(c.isdigit() for c in host)
     try:
         if with_v4:

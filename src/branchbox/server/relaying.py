@@ -110,8 +110,9 @@ async def relay(ws: WebSocket, upstream: websockets.ClientConnection) -> None:
     handoff: asyncio.Queue[str | bytes] = asyncio.Queue(maxsize=1)
 
     async def from_client() -> None:
-        """The client's messages, read on while one waits to be sent: so its leaving is
-        seen even while a slow server holds up the sending."""
+        """The client's messages, one read ahead of the one being sent: its leaving is
+        seen while a slow server holds up the sending, unless another message of its
+        waits too (then SEND_STALL ends the relay)."""
         while True:
             message = await ws.receive()
             if message["type"] == "websocket.disconnect":
