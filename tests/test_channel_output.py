@@ -34,3 +34,44 @@ def test_output_waiting_together_goes_to_the_caller_as_one_event() -> None:
     assert "".join(e["data"] for e in events[:-3]) == "".join(f"{i}\n" for i in range(200))
     assert events[-3]["data"] == "between\n" and events[-2]["data"] == "last\n"
     assert len(events) - 3 < 200  # merged (each its own event before)
+
+
+def test_blobs_are_held_only_while_their_request_waits_for_them() -> None:
+    """Blobs (long strings sent ahead of their header) are held per request: released
+    when their header comes, and when the request is given up (then what still comes is
+    counted, not kept, and its header dropped, not put together); the channel goes on."""
+    async def scenario() -> tuple[list, int, int, dict]:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        theirs.setblocking(False)
+        channel = AgentChannel(ours)
+
+        async def send(header: dict, payload: bytes = b"") -> None:  # as the agent would
+            await asyncio.get_running_loop().sock_sendall(theirs,
+                                                          protocol.encode(header, payload))
+
+        try:
+            rid, _ = channel.open_request("run_code", {})
+            await send({"rid": rid, "ev": "blob"}, b"x" * 300_000)
+            await send({"rid": rid, "ev": "blob"}, b"y" * 1000)
+            await asyncio.sleep(0.2)
+            held = channel._spilled
+            channel.close_request(rid)  # given up: what it held goes
+            released = channel._spilled
+            await send({"rid": rid, "ev": "blob"}, b"z" * 5000)
+            await send({"rid": rid, "ev": "done", "result": {"t": None},
+                                   "blobs": [[["result", "t"], 301_000]]})
+            other, second = channel.open_request("run_code", {})
+            await send({"rid": other, "ev": "blob"}, "é".encode() * 200)
+            await send({"rid": other, "ev": "done", "result": {"t": None},
+                                   "blobs": [[["result", "t"], 400]]})
+            answers = [header async for header, _ in channel.events(other, second)]
+            return answers, held, released, {"spilled": channel._spilled,
+                                             "violation": channel.violation}
+        finally:
+            await channel.close()
+            theirs.close()
+
+    answers, held, released, after = asyncio.run(scenario())
+    assert (held, released) == (301_000, 0)
+    assert answers == [{"rid": answers[0]["rid"], "ev": "done", "result": {"t": "é" * 200}}]
+    assert after == {"spilled": 0, "violation": None}

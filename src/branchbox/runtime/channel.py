@@ -438,11 +438,11 @@ class AgentChannel:
         return size
 
     def _release(self, req: _Request) -> None:
-        """Let go of the blobs ``req`` holds (it ended, was abandoned or replaced)."""
+        """Let go of the blobs ``req`` holds (their header came, or the request ended, was
+        abandoned or replaced)."""
         self._spilled -= sum(map(len, req.spilled))
         req.spilled.clear()
-        if not req.abandoned:
-            req.spilled_bytes = 0
+        req.spilled_bytes = 0
 
     async def send(self, header: dict, payload: bytes = b"", fds: list[int] = ()) -> None:
         data = protocol.encode(header, payload)
