@@ -85,9 +85,8 @@ class Command:
         self,
         table: Commands,
         proc: Process,
-        display: str,
-        *,
         argv: list[str],
+        *,
         shell: bool,
         rid: int | None,
         limit: OutputLimit,
@@ -98,8 +97,8 @@ class Command:
         self.agent = table.agent
         self.proc = proc
         self.pid = proc.pid
-        self.display = display
         self.argv = argv  # as asked: a command line is bash's (["/bin/bash", "-c", line])
+        self.display = argv[2] if shell else shlex.join(argv)
         self.shell = shell
         self.rid = rid  # the exec request a foreground command answers; None in background
         self.limit = limit
@@ -350,14 +349,15 @@ def _fit(
 
 
 def _spawn(req: dict, spawner: Callable[[], int] | None
-           ) -> tuple[Process, int | None, str, bool]:
+           ) -> tuple[Process, int | None, list[str], bool]:
     """Start the command of an exec request; returns (process, where its input is written
-    if the request asked for stdin or a pty, display text, via bash?)."""
+    if the request asked for stdin or a pty, argv as asked (a command line: bash's), via
+    bash?)."""
     cmd = req.get("cmd")
     if isinstance(cmd, str) and cmd:
-        argv, display, shell = ["/bin/bash", "-c", cmd], cmd, True
+        argv, shell = ["/bin/bash", "-c", cmd], True
     elif isinstance(cmd, list) and cmd and all(isinstance(arg, str) for arg in cmd):
-        argv, display, shell = cmd, shlex.join(cmd), False
+        argv, shell = cmd, False
     else:
         raise RequestError(
             "InvalidRequest", "field 'cmd' must be a non-empty string or list of strings"
@@ -375,10 +375,10 @@ def _spawn(req: dict, spawner: Callable[[], int] | None
         if plain is not None:  # what bash would have exec'd, without bash
             try:
                 return _start(spawner, plain[1], cwd, plain[2], size, stdin,
-                              executable=plain[0]) + (display, shell)
+                              executable=plain[0]) + (argv, shell)
             except OSError:  # not exec'd as it is: bash runs the line, or says why
                 pass
-        return _start(spawner, argv, cwd, env, size, stdin) + (display, shell)
+        return _start(spawner, argv, cwd, env, size, stdin) + (argv, shell)
     except ValueError as exc:  # NUL in an argument, "=" in a variable name
         raise RequestError("InvalidRequest", str(exc)) from exc
     except OSError as exc:
@@ -488,12 +488,11 @@ class Commands:
         background = param(req, "background", bool, False)
         timeout = timeout_param(req)
         limit = output_limit(req)
-        proc, stdin, display, shell = _spawn(req, self.spawner)
+        proc, stdin, argv, shell = _spawn(req, self.spawner)
         command = Command(
             self,
             proc,
-            display,
-            argv=["/bin/bash", "-c", req["cmd"]] if shell else list(req["cmd"]),
+            argv,
             shell=shell,
             rid=None if background else rid,
             limit=limit,

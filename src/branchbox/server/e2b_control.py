@@ -238,17 +238,11 @@ async def list_sandboxes(
     oldest first, ``limit`` a page; the next page's token is in ``X-Next-Token``."""
     wanted = dict(urllib.parse.parse_qsl(metadata or "", keep_blank_values=True))
     states = set((state or "running,paused").split(","))
-    after = _position(next_token) if next_token else None
-    found = [(_order(sb), _listed(engine, sb.id)) for sb in engine.list()
-             if after is None or _order(sb) > after]
+    found = [(_order(sb), _listed(engine, sb.id)) for sb in engine.list()]
     found = sorted((f for f in found if f[1]["state"] in states
                     and all(f[1]["metadata"].get(k) == v for k, v in wanted.items())),
                    key=lambda f: f[0])
-    if len(found) > limit:
-        last = found[limit - 1][0]
-        response.headers["X-Next-Token"] = base64.urlsafe_b64encode(
-            f"{last[0]!r}:{last[1]}".encode()).decode()
-    return [row for _, row in found[:limit]]
+    return _page(found, next_token, limit, response)
 
 
 @router.get("/sandboxes")
@@ -259,6 +253,19 @@ async def list_sandboxes_v1(engine: EngineDep) -> list[dict]:
 
 def _order(sb: Any) -> tuple[float, str]:
     return sb.record.created, sb.id
+
+
+def _page(found: list[tuple[tuple[float, str], Any]], next_token: str | None, limit: int,
+          response: Response) -> list:
+    """The page of ``found`` ((position, item) pairs in listing order: creation time,
+    name) after ``next_token``'s position; the next page's token in ``X-Next-Token``."""
+    after = _position(next_token) if next_token else None
+    found = [f for f in found if after is None or f[0] > after]
+    if len(found) > limit:
+        last = found[limit - 1][0]
+        response.headers["X-Next-Token"] = base64.urlsafe_b64encode(
+            f"{last[0]!r}:{last[1]}".encode()).decode()
+    return [item for _, item in found[:limit]]
 
 
 def _position(token: str) -> tuple[float, str]:
@@ -354,17 +361,13 @@ async def list_snapshots(
 ) -> list[dict]:
     """Images saved from a sandbox (of ``sandboxID``, named ``name``), oldest first, a
     page of ``limit``; the next page's token in ``X-Next-Token``."""
-    found = sorted((image["created"], image["name"]) for image in engine.list_images()
-                   if image.get("from_sandbox") and image["kind"] == "saved"
-                   and sandbox_id in (None, image["from_sandbox"])
-                   and name in (None, image["name"]))
-    after = _position(next_token) if next_token else None
-    found = [f for f in found if after is None or f > after]
-    if len(found) > limit:
-        last = found[limit - 1]
-        response.headers["X-Next-Token"] = base64.urlsafe_b64encode(
-            f"{last[0]!r}:{last[1]}".encode()).decode()
-    return [{"snapshotID": image, "names": [image]} for _, image in found[:limit]]
+    found = sorted((((image["created"], image["name"]),
+                     {"snapshotID": image["name"], "names": [image["name"]]})
+                    for image in engine.list_images()
+                    if image.get("from_sandbox") and image["kind"] == "saved"
+                    and sandbox_id in (None, image["from_sandbox"])
+                    and name in (None, image["name"])), key=lambda f: f[0])
+    return _page(found, next_token, limit, response)
 
 
 @router.delete("/templates/{template_id}", response_class=Response)

@@ -366,7 +366,7 @@ async def download(sandbox_id: SandboxId, engine: EngineDep,
     try:
         events = await opened(engine.stream(sandbox_id, "read", {"path": _path(path)}))
     except (errors.EngineError, RpcError) as exc:
-        return _files_error(exc)
+        return E2BSandboxRoute.failure(exc)  # as envd: a status, {"code", "message"}
     return bytes_response(events)
 
 
@@ -396,7 +396,7 @@ async def upload(request: Request, sandbox_id: SandboxId, engine: EngineDep,
             await engine.write_file(sandbox_id, target, _limited(request.stream(), limit))
             written.append(target)
     except (errors.EngineError, RpcError) as exc:
-        return _files_error(exc)
+        return E2BSandboxRoute.failure(exc)  # as envd: a status, {"code", "message"}
     return SandboxJSON([{"name": p.rsplit("/", 1)[-1], "type": "file", "path": p}
                          for p in written])
 
@@ -404,8 +404,3 @@ async def upload(request: Request, sandbox_id: SandboxId, engine: EngineDep,
 async def _chunks(read: Callable[[int], Awaitable[bytes]]) -> AsyncIterator[bytes]:
     while chunk := await read(1 << 20):
         yield chunk
-
-
-def _files_error(exc: errors.EngineError) -> Response:
-    """E2B's envd answers /files failures with a status and ``{"code", "message"}``."""
-    return E2BSandboxRoute.failure(exc)
