@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from branchbox import InvalidRequest
+from branchbox import InvalidRequest, ResourceLimit
 from branchbox.sdk._portal import portal
 from branchbox.storage import backend as storage_backend
 from branchbox.storage.backend import BackendUnavailable, QuotaUnsupported, choose_backend
@@ -188,3 +188,47 @@ def test_new_image_is_bounded_by_the_hosts_free_space(tmp_path: Path) -> None:
             storage_backend.bounded_image_size(host, storage_backend.DEFAULT_IMAGE_SIZE)
     finally:
         subprocess.run(["umount", str(host)], check=True)
+
+
+def test_a_family_cannot_outgrow_its_disk_by_closing_parents(make, harness) -> None:
+    """Simple quotas charge an extent to the volume that wrote it for as long as anything
+    references it: a closed parent's files, which its child stacks on (the frozen layer
+    of the fork), stayed charged to the deleted volume, counted against no live limit.
+    Fork, close the parent, write again: disk_mb=100 reached 516 MiB in six rounds. The
+    family now keeps the deleted volume on its account and a fork is refused (429,
+    FamilyOverLimit) while it holds more than its live sandboxes may; deleting files
+    lets it fork again."""
+    if refused_on_copy(harness, disk_mb=100):
+        return
+    parent = make(disk_mb=100)
+    assert dd(parent, "/root/a", 70).exit_code == 0
+    (child,) = parent.fork(1)
+    try:
+        parent.close()  # its 70 MiB live on in the child's lower layer, charged to nobody
+        assert dd(child, "/root/b", 70).exit_code == 0  # within the child's own limit
+        with pytest.raises(ResourceLimit, match="MiB of disk"):
+            child.fork(1)
+        assert child.exec("rm /root/b && sync").exit_code == 0
+        (grandchild,) = child.fork(1)  # 70 MiB held: within the child's 100 again
+        assert grandchild.exec("wc -c < /root/a").stdout.strip() == str(70 << 20)
+        grandchild.close()
+    finally:
+        child.close()
+
+
+def test_a_family_cannot_outgrow_its_disk_by_restoring(make, harness) -> None:
+    """A restore replaces the body: its volume's files, which the checkpoint's frozen
+    layer holds, stayed charged to the deleted volume and the new one started empty, so
+    each checkpoint-restore round could add a limit's worth. Now the next checkpoint is
+    refused while the family holds more than its limit."""
+    if refused_on_copy(harness, disk_mb=100):
+        return
+    sb = make(disk_mb=100)
+    assert dd(sb, "/root/a", 70).exit_code == 0
+    cp = sb.checkpoint()
+    sb.restore(cp)
+    assert dd(sb, "/root/b", 70).exit_code == 0  # the new body's own volume is empty
+    with pytest.raises(ResourceLimit, match="MiB of disk"):
+        sb.checkpoint()
+    assert sb.exec("rm /root/b && sync").exit_code == 0
+    assert sb.checkpoint().id

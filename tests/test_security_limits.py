@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from branchbox import InvalidRequest, SandboxTimeout
+from branchbox import InvalidRequest, ResourceLimit, SandboxTimeout
 from branchbox.sdk._portal import portal
 from branchbox.storage import layerdiff
 
@@ -307,3 +307,66 @@ def test_all_sandboxes_together_are_bounded(harness, sandbox) -> None:
     for pid in host_pids:
         cgroups = Path(f"/proc/{pid}/cgroup").read_text()
         assert ":pids:/branchbox/" in cgroups or "::/branchbox/" in cgroups, cgroups
+
+
+def _fill(name: str, mib: int) -> str:
+    """Code that allocates ``mib`` MiB under ``name`` and touches every page of it."""
+    return f"{name} = bytearray({mib} << 20)\nfor i in range(0, len({name}), 4096): {name}[i] = 1"
+
+
+def _memory_dirs(harness) -> set[str]:
+    """The names of the memory cgroups under the daemon's group: live bodies', made-ahead
+    ones, and those a family keeps charged."""
+    top = Path("/sys/fs/cgroup")
+    base = top / "memory" / "branchbox" if (top / "memory").is_dir() else top / "branchbox"
+    return {p.name for p in (base / harness.engine.config.cgroup_group).iterdir()}
+
+
+def test_a_family_cannot_outgrow_its_memory_by_closing_parents(harness, make) -> None:
+    """The kernel charges a page to the cgroup that first touched it, for as long as it
+    lives: a closed parent's heap its fork child maps stayed charged to a removed cgroup,
+    counted against no live limit. Fork, close the parent, allocate again: a sandbox of
+    memory_mb=1024 held 4,000 MiB after five rounds (its own cgroup said 805), taken from
+    every other family. The family now keeps that cgroup on its account and a fork is
+    refused (429, FamilyOverLimit) while it holds more than its live sandboxes may;
+    freeing the memory lets it fork again. A merge of a big heap stays forkable."""
+    parent = make(memory_mb=256)
+    parent.run_code(_fill("a", 150))
+    first = harness.engine.get(parent.id).body.cgroup.name  # where a's pages are charged
+    winner, loser = parent.fork(2)
+    parent.merge_into(winner)  # the old body's heap, mapped by the winner: kept charged
+    loser.close()
+    assert first in _memory_dirs(harness)
+    (after_merge,) = parent.fork(1)
+    assert after_merge.run_code("len(a)").text == str(150 << 20)
+    after_merge.close()
+    (child,) = parent.fork(1)
+    try:
+        parent.close()  # its heap lives on in the child, charged to removed cgroups
+        child.run_code(_fill("b", 150))  # within the child's own limit
+        with pytest.raises(ResourceLimit, match="MiB of memory"):
+            child.fork(1)
+        child.run_code("del a")  # the closed parent's pages are freed: nothing held
+        (grandchild,) = child.fork(1)
+        assert grandchild.run_code("len(b)").text == str(150 << 20)
+        room = harness.engine.get(child.id).family.room
+        assert sum(r.pinned() for r in room.remains) < 32 << 20  # a's 150 MiB are gone
+    finally:
+        child.close()
+
+
+def test_a_family_cannot_outgrow_its_memory_by_restoring(harness, make) -> None:
+    """Restore replaces a body: its pages the checkpoint maps stayed charged to the
+    removed cgroup, and the new body started from nothing. Each checkpoint-restore round
+    could add a limit's worth; now the family's account refuses the next checkpoint."""
+    sb = make(memory_mb=256)
+    sb.run_code(_fill("a", 150))
+    cp = sb.checkpoint()
+    sb.restore(cp)  # the old body's heap, mapped by the checkpoint: kept charged
+    assert sb.run_code("len(a)").text == str(150 << 20)
+    sb.run_code(_fill("b", 150))
+    with pytest.raises(ResourceLimit, match="cannot checkpoint"):
+        sb.checkpoint()
+    sb.run_code("del b")
+    sb.restore(cp)  # within the limits again: the body's own pages were freed
+    assert sb.run_code("'b' in dir()").text == "False"

@@ -79,6 +79,7 @@ class Branching:
 
     async def _fork_locked(self, parent: Live, channel: AgentChannel, n: int) -> list[Live]:
         """``n`` children of ``parent`` (locked, alive), adopted as its fork children."""
+        await self._check_room(parent, "fork")
         made = await self._fork_bodies(parent.body, channel, parent, n, timings=parent)
         children = self._adopt_children(parent, made, parent.generation)
         self.events.publish("fork", parent.record, children=[c.id for c in children],
@@ -516,7 +517,7 @@ class Branching:
             with contextlib.suppress(errors.EngineError, AgentError, ChannelClosed):
                 await sb.body.channel.call("sethostname", {"hostname": sb.id})
         await self.net.hand_over(sb.body.key, old.key, sb.body.cgroup, sb.body.repl_host)
-        self._retire(old)
+        self._retire(old, sb.family)
 
     # ---------------------------------------------------------------------- diff
     async def diff(self, sandbox_id: str, other_id: str,

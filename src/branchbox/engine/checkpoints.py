@@ -109,6 +109,7 @@ class Checkpoints:
         await self._acquire(sb, self.config.busy_wait)
         try:
             channel = self._check_alive(sb)
+            await self._check_room(sb, "checkpoint")
             try:
                 body = await self._within_deadline(self._checkpoint_body(sb, channel))
             except FreezeFailed as exc:
@@ -213,6 +214,7 @@ class Checkpoints:
                 refuse_paused(sb)
                 if self.live.get(sandbox_id) is not sb or checkpoint_id not in self._checkpoints:
                     raise errors.SandboxNotFound()  # closed or deleted while we waited
+                await self._check_room(sb, "restore")
                 ((_, body),) = await self._copy_checkpoint(cp, sb, 1, hostname=sb.id)
             old = self._rebind(sb, body)
             self._record_rebind(sb)
@@ -229,6 +231,7 @@ class Checkpoints:
         async with cp.lock:
             if checkpoint_id not in self._checkpoints:
                 raise errors.SandboxNotFound()
+            await self._check_room(sb, "fork")
             made = await self._copy_checkpoint(cp, sb, n)
         if self.live.get(sandbox_id) is not sb:  # closed meanwhile: its family may be gone
             for _, body in made:

@@ -13,6 +13,7 @@
     ├── PayloadTooLarge (413)
     ├── PathTooLong (422)         a path in the sandbox is longer than the host can name
     ├── ResourceLimit (429)       the sandbox's process limit is reached
+    │   └── FamilyOverLimit (429) its family holds more than its live sandboxes may
     ├── ServerStopping (503)      the server is stopping
     └── InsufficientStorage (507) the sandbox's disk limit, or the store, is full
 
@@ -108,6 +109,13 @@ class ImageBuildFailed(EngineError):
 class ResourceLimit(EngineError):
     status = 429
     kind = "ResourceLimit"
+
+
+class FamilyOverLimit(ResourceLimit):
+    """A fork, checkpoint or restore refused: the family holds more memory than its live
+    sandboxes' limits add up to (engine.family_room)."""
+
+    kind = "FamilyOverLimit"
 
 
 class ServerStopping(EngineError):

@@ -73,6 +73,7 @@ class LayerStack:
     workspace: WorkspaceBranch | None = None
     disk_bytes: int | None = None  # what ``volume`` may hold; None: unbounded
     ids: IdRange | None = None  # the family's host id range (held while the stack lives)
+    frozen_once: bool = False  # a frozen layer was made of it: may outlive it charged to it
 
     def lowers(self) -> list[Path]:
         return [layer.lowerdir for layer in self.frozen] + self.base
@@ -218,6 +219,7 @@ class Layers:
         and after a thread's renames. Raises FreezeFailed if it would not freeze.
         """
         path = self._new_path("f")
+        stack.frozen_once = True
         if hold is None or self.backend.name == "btrfs":
             self.backend.snapshot(stack.volume, path, readonly=True)
         else:

@@ -11,9 +11,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from branchbox.engine.layers import (
-    LayerStack,
-)
+from branchbox.engine.family_room import FamilyRoom
+from branchbox.engine.layers import LayerStack
 from branchbox.engine.metrics import CpuMark
 from branchbox.engine.records import SandboxRecord
 from branchbox.runtime.cgroups import SandboxCgroup
@@ -26,6 +25,7 @@ from branchbox.runtime.family import Family
 class FamilyHandle:
     family: Family
     members: set[str] = field(default_factory=set)
+    room: FamilyRoom = field(default_factory=FamilyRoom)  # what closed members left charged
 
 
 @dataclass(eq=False)

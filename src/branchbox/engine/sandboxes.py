@@ -25,6 +25,7 @@ from branchbox.engine.checkpoints import Checkpoint, Checkpoints
 from branchbox.engine.config import EngineConfig
 from branchbox.engine.events import EventBus
 from branchbox.engine.fair_pool import FairPool
+from branchbox.engine.family_room import Remains, VolumeRemains
 from branchbox.engine.host_image import HOST, HostImage, HostImageUnavailable
 from branchbox.engine.idranges import IdRange, IdRanges
 from branchbox.engine.images import SavedImages
@@ -716,34 +717,70 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
             raise errors.SandboxNotFound()
         if sb.timer:
             sb.timer.cancel()
+        left: list[Remains] = []
         try:
             await self._free_checkpoints(sandbox_id)
-            await self._destroy_body(sb.body)
+            left = await self._destroy_body(sb.body, keep_charged=len(sb.family.members) > 1)
         finally:  # even if a step failed (a broken channel): the family must not outlive it
             sb.record.state = "closed"
             self.records.mark_closed([sb.id])
             self.events.publish("close", sb.record)
             sb.family.members.discard(sb.id)
+            self._leave_charged(sb.family, left)
             if not sb.family.members:
                 await sb.family.family.kill()
+                sb.family.room.free()
 
-    def _retire(self, body: Body) -> None:
-        """Destroy a body in the background (stop() waits for it)."""
-        self._track(asyncio.get_running_loop().create_task(self._destroy_body(body)))
+    def _retire(self, body: Body, family: FamilyHandle | None = None) -> None:
+        """Destroy a body in the background (stop() waits for it); what it leaves charged
+        (pages or files others share) stays on ``family``'s account, if given."""
+        async def destroy() -> None:
+            self._leave_charged(family, await self._destroy_body(body,
+                                                                 keep_charged=bool(family)))
+        self._track(asyncio.get_running_loop().create_task(destroy()))
 
-    async def _destroy_body(self, body: Body) -> None:
-        """Kill, disconnect and free a body; each step runs even if an earlier one failed."""
+    @staticmethod
+    def _leave_charged(family: FamilyHandle | None, left: list[Remains]) -> None:
+        """Put what a destroyed body left charged on its family's account, or let it go
+        when there is no family left to hold it (engine.family_room)."""
+        if family is not None and family.members:
+            family.room.keep(*left)
+        else:
+            for remains in left:
+                remains.remove()
+
+    async def _check_room(self, sb: Live, what: str) -> None:
+        """Refuse ``what`` (a way for ``sb``'s family to grow) while the family holds more
+        memory or disk than its live sandboxes may (engine.family_room)."""
+        if not sb.family.room.remains:
+            return
+        live = [m.body for sid in sb.family.members if (m := self.live.get(sid))]
+        kept = [cp.body for cp in self._checkpoints.values()
+                if cp.record.family == sb.record.family]
+        await sb.family.room.check(what, live, kept, self.store)
+
+    async def _destroy_body(self, body: Body, *, keep_charged: bool = False) -> list[Remains]:
+        """Kill, disconnect and free a body; each step runs even if an earlier one failed.
+        With ``keep_charged``, returns what others' pages and layers keep charged to its
+        memory cgroup and volume (engine.family_room), for its family's account."""
         await self.net.release(body.key)  # first: it can no longer speak on the bridge
         self.keeper.drop([body.key])
         self._let_thaw(body)
+        left: list[Remains] = []
         try:
-            await asyncio.to_thread(body.cgroup.remove)
+            memory = await asyncio.to_thread(body.cgroup.remove, keep_charged)
+            left += [memory] if memory is not None else []
         finally:
             try:
                 if body.channel is not None:
                     await body.channel.close()
             finally:
+                if keep_charged and body.layers.frozen_once:
+                    with contextlib.suppress(OSError):  # no quota group: nothing counted
+                        if group := self.store.charge_group(body.layers.volume):
+                            left.append(VolumeRemains(group))
                 self.layers.release(body.layers)
+        return left
 
     async def update_network(self, sandbox_id: str, internet: bool | None = None,
                              network: dict | None = None) -> dict:

@@ -175,7 +175,7 @@ class SandboxCgroup:
         return self.dirs[0].name if self.dirs else ""
 
     def _file(self, controller: str, name: str) -> Path:
-        if self.version == 2:
+        if self.version == 2 and self.dirs:
             return self.dirs[0] / name
         # By name, not position: a leftover of a daemon killed while making it may have
         # some controllers' directories and not others.
@@ -290,6 +290,16 @@ class SandboxCgroup:
         name = "memory.current" if self.version == 2 else "memory.usage_in_bytes"
         return int(self._file("memory", name).read_text())
 
+    def pinned_bytes(self) -> int:
+        """What the sandbox's cgroup holds that reclaim cannot free (see ``_pinned``)."""
+        return _pinned(self.version, self._file("memory", ""))
+
+    def memory_limit(self) -> int:
+        """The most memory the sandbox may hold (its limit, as the kernel has it)."""
+        name = "memory.max" if self.version == 2 else "memory.limit_in_bytes"
+        text = self._file("memory", name).read_text().strip()
+        return 1 << 62 if text == "max" else int(text)
+
     def memory_cache_bytes(self) -> int:
         """The page cache charged to the sandbox (part of :meth:`memory_bytes`): files it
         read or wrote, which the kernel takes back under pressure."""
@@ -359,24 +369,56 @@ class SandboxCgroup:
             else:
                 self._file("cpu", "cpu.shares").write_text("2")
 
-    def remove(self) -> None:
+    def remove(self, keep_charged: bool = False) -> ChargedRemains | None:
         """Kill what is left and delete the directories (idempotent).
 
         A process may join after the kill looked: a fork child enters its cgroups itself,
         through the fds it was handed (a fork that failed half-way is cleaned up while its
-        first children start). An rmdir that finds one busy kills it too."""
+        first children start). An rmdir that finds one busy kills it too.
+
+        With ``keep_charged``, the memory directory stays (and is returned) when pages
+        no reclaim can free are still charged to it: the kernel charges a page to the
+        cgroup that first touched it, for as long as the page lives, so a closed
+        parent's heap that its fork children still map (or a replaced body's, that a
+        checkpoint or a merge winner maps) stays charged here and to no live sandbox.
+        A removed directory would hide those charges from everyone but its ancestors."""
         self.kill()
 
         def kill_late() -> None:
             _sigkill(self.pids())
 
+        kept = None
+        if keep_charged and self.dirs:
+            with contextlib.suppress(OSError):  # a partial leftover: nothing to keep
+                remains = ChargedRemains(self.version, self._file("memory", ""))
+                kept = remains if remains.pinned() else None
         for d in self.dirs:
             for leaf in LEAVES:
                 with contextlib.suppress(FileNotFoundError):
                     _rmdir_retry(d / leaf, kill_late)
-            with contextlib.suppress(FileNotFoundError):
-                _rmdir_retry(d, kill_late)
+            if kept is None or d != kept.path:
+                with contextlib.suppress(FileNotFoundError):
+                    _rmdir_retry(d, kill_late)
         self.dirs = []
+        return kept
+
+
+@dataclass(frozen=True)
+class ChargedRemains:
+    """The memory cgroup of a removed sandbox, kept while pages live on charged to it
+    (:meth:`SandboxCgroup.remove`): what its family still holds beyond its live
+    sandboxes' own cgroups."""
+
+    version: int
+    path: Path
+
+    def pinned(self) -> int:
+        return _pinned(self.version, self.path)
+
+    def remove(self) -> None:
+        """Delete the directory (the kernel keeps what is still charged, unnamed)."""
+        with contextlib.suppress(FileNotFoundError):
+            _rmdir_retry(self.path, lambda: None)
 
 
 def thaw_leftovers(group: str, root: Path = CGROUP_ROOT, skip: set[str] = frozenset()) -> int:
@@ -442,6 +484,18 @@ def _cgroup_mounted_at(mountpoint: Path, name: str,
                 and name.encode() in fields[sep + 3].split(b",")):
             return True
     return False
+
+
+def _pinned(version: int, memory_dir: Path) -> int:
+    """Bytes charged to a memory cgroup that no reclaim can free without swap: anonymous
+    and shared memory (page cache of files is reclaimed under pressure)."""
+    keys = (b"anon", b"shmem") if version == 2 else (b"total_rss", b"total_shmem")
+    total = 0
+    for line in _read_all(f"{memory_dir}/memory.stat").splitlines():
+        key, _, value = line.partition(b" ")
+        if key in keys:
+            total += int(value)
+    return total
 
 
 def _read_all(path: str) -> bytes:

@@ -134,6 +134,7 @@ _TABLE: dict[str, tuple[type[SandboxError], int | None]] = {
     "CommandNotFound": (CommandNotFound, None),
     "PayloadTooLarge": (PayloadTooLarge, 413),
     "ResourceLimit": (ResourceLimit, 429),
+    "FamilyOverLimit": (ResourceLimit, None),
     "ServerStopping": (ServerStopping, 503),
     "NodeUnavailable": (NodeUnavailable, None),
     "InsufficientStorage": (InsufficientStorage, 507),
@@ -143,7 +144,9 @@ _TABLE: dict[str, tuple[type[SandboxError], int | None]] = {
 _BY_STATUS = {status: cls for cls, status in _TABLE.values() if status is not None}
 # Kinds whose class's hint does not fit them.
 _HINTS = {"CommandsGone": "the REPL and files still work; close the sandbox for one that "
-                          "runs commands"}
+                          "runs commands",
+          "FamilyOverLimit": "free memory or delete files in the family's sandboxes, delete "
+                             "checkpoints or close sandboxes, then retry"}
 
 
 def error_from_reply(status: int, body: Any) -> SandboxError:

@@ -31,6 +31,7 @@ KINDS = ("auto", "btrfs", "copy")
 # The most a store image grows to; the file is sparse, and its size follows the host's
 # free space (storage.host_disk), so it never promises sandboxes more than the host has.
 DEFAULT_IMAGE_SIZE = 64 << 30
+SIMPLE_QUOTAS = "btrfs simple quotas"  # Store.quota where an extent's writer pays for it
 
 COPY_NO_QUOTA = (
     "the copy storage backend cannot enforce disk_mb: its volumes are plain directories, "
@@ -128,6 +129,14 @@ class Store:
         without quotas, which counts nothing per volume (and walking a volume to add up
         its files would cost what it holds)."""
         return None if self.quota is None else btrfs.exclusive_bytes(volume)
+
+    def charge_group(self, volume: Path) -> str | None:
+        """Where ``volume``'s own bytes are counted (``btrfs.charged_bytes`` reads it),
+        readable after it is deleted: under simple quotas an extent stays charged to the
+        volume that wrote it for as long as a snapshot (a frozen layer) references it.
+        None on any other store, where a deleted volume's group counts nothing (full
+        qgroups move shared extents to the snapshots' own groups; no quota, nothing)."""
+        return btrfs.qgroup_dir(volume) if self.quota == SIMPLE_QUOTAS else None
 
     def capacity(self) -> int:
         """Bytes the store's filesystem holds in all (no limit above it means anything)."""
@@ -302,7 +311,7 @@ def _enable_quota(store: Store, mountpoint: Path) -> None:
         )
         log.warning("btrfs store without per-sandbox disk limits: %s", store.no_quota)
         return
-    store.quota = "btrfs simple quotas"
+    store.quota = SIMPLE_QUOTAS
 
 
 def _mount_store(image: Path, mountpoint: Path) -> str:

@@ -273,11 +273,25 @@ def quota_mode(path: Path | str) -> str:
 
 def exclusive_bytes(path: Path | str) -> int:
     """The bytes subvolume ``path`` holds alone, as its quota group counts them: what
-    :func:`set_limit` bounds. Read from sysfs (``qgroups/0_<tree id>/exclusive``), so
-    quotas must be on; raises OSError otherwise."""
-    treeid = subvolume_info(path).treeid
-    with open(f"{_sysfs_dir(path)}/qgroups/0_{treeid}/exclusive") as f:
-        return int(f.read())
+    :func:`set_limit` bounds. Read from sysfs, so quotas must be on; raises OSError
+    otherwise."""
+    return charged_bytes(qgroup_dir(path))
+
+
+def qgroup_dir(path: Path | str) -> str:
+    """The sysfs directory (``qgroups/0_<tree id>``) of subvolume ``path``'s quota group.
+    It outlives the subvolume: simple quotas keep charging a deleted subvolume with the
+    extents it wrote that snapshots of it still reference."""
+    return f"{_sysfs_dir(path)}/qgroups/0_{subvolume_info(path).treeid}"
+
+
+def charged_bytes(qgroup: str) -> int:
+    """What quota group ``qgroup`` (a :func:`qgroup_dir`) counts against its limit: its
+    exclusive bytes, and the data reserved for writes its transaction has not committed
+    yet (an fsync through the log tree commits no quota: until the next commit, tens of
+    seconds later, written data is only reserved)."""
+    with open(f"{qgroup}/exclusive") as f, open(f"{qgroup}/rsv_data") as r:
+        return int(f.read()) + int(r.read())
 
 
 def _sysfs_dir(path: Path | str) -> str:

@@ -1,0 +1,167 @@
+"""What a family may still grow by: what it holds against its live sandboxes' limits.
+
+Each sandbox's cgroup bounds the memory it charges and its volume's quota the bytes it
+writes, but both are charged to whoever first touched them, for as long as they live:
+the kernel charges a page to the cgroup that faulted it in, and btrfs simple quotas
+charge an extent to the volume that wrote it, and neither can move the charge. A
+closed parent's heap that its fork children still map, or the body a restore or a
+merge replaced (its pages mapped by the checkpoint or the winner, its files in the
+frozen layer they stack on), stays charged to a removed cgroup or a deleted volume:
+held by the family, bounded by no live limit. Repeated — fork, close the parent,
+allocate or write again — one sandbox of a 1 GiB limit held 4 GiB of memory after
+five rounds, and one of a 100 MiB disk limit 516 MiB of the store, taken from every
+other family.
+
+So a family keeps account of such remains (:class:`~branchbox.runtime.cgroups.
+ChargedRemains`, :class:`VolumeRemains`) while anything is charged to them, and the
+engine refuses what would let it grow further — a fork, a checkpoint, a restore —
+while the family holds more memory or disk than its live sandboxes' limits add up
+to. Legitimate branching stays within them: what a family holds is then what its
+sandboxes map and see. A family holds at most its limits plus one round of its
+sandboxes' own allocations and writes; closing the family frees it all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from branchbox.engine import errors
+from branchbox.runtime.cgroups import ChargedRemains
+from branchbox.storage import btrfs
+
+if TYPE_CHECKING:
+    from branchbox.engine.live import Body
+    from branchbox.storage.backend import Store
+
+# Remains a family may hold charged at once: each memory one is a cgroup the kernel keeps
+# (cgroup ids are host-wide, 65,535 at most), as it would keep it unnamed anyway.
+MAX_REMAINS = 512
+MIB = 1 << 20
+# A deleted volume's bytes leave its quota group as btrfs's cleaner frees them, seconds
+# later: a family over its disk limits just after deleting one is measured again meanwhile.
+SETTLE = 5.0
+SETTLE_STEP = 0.25
+
+
+class Remains(Protocol):
+    def pinned(self) -> int: ...
+    def remove(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class VolumeRemains:
+    """A deleted writable volume's quota group: the bytes it wrote that frozen layers
+    (its snapshots, which fork children and checkpoints stack on) still reference."""
+
+    group: str  # its quota group's sysfs directory (Store.charge_group)
+    deleted: float = field(default_factory=time.monotonic, compare=False)
+
+    def pinned(self) -> int:
+        try:
+            return btrfs.charged_bytes(self.group)
+        except FileNotFoundError:  # the kernel dropped the group: nothing is charged
+            return 0
+
+    def remove(self) -> None:
+        """Nothing to delete: the kernel drops a quota group nothing is charged to."""
+
+
+@dataclass
+class Tally:
+    """One resource of a family, measured: what its remains, live and kept bodies hold,
+    and what its live ones may (None: one of them is unbounded)."""
+
+    name: str
+    retired: int = 0
+    held: int = 0
+    budget: int | None = 0
+
+    @property
+    def over(self) -> bool:
+        return self.budget is not None and self.retired + self.held > self.budget
+
+
+@dataclass
+class FamilyRoom:
+    """A family's remains: removed cgroups and deleted volumes still charged with what
+    its live sandboxes map and stack on."""
+
+    remains: list[Remains] = field(default_factory=list)
+
+    def keep(self, *remains: Remains | None) -> None:
+        self.remains += [r for r in remains if r is not None]
+
+    def free(self) -> None:
+        """The family is gone: delete every directory it kept."""
+        remains, self.remains = self.remains, []
+        for r in remains:
+            r.remove()
+
+    async def check(self, what: str, live: list[Body], kept: list[Body],
+                    store: Store) -> None:
+        """Raise FamilyOverLimit if the family may not ``what`` (grow): it holds more
+        than ``live`` (its sandboxes' bodies) may, counting ``kept`` (its checkpoints')
+        and its remains; remains nothing is charged to any more are dropped on the way.
+        Reads a few files per sandbox (in a worker thread), so only a family that holds
+        remains pays for it: one that holds none is within its limits by construction."""
+        if not self.remains:
+            return
+        start = time.monotonic()
+        while True:
+            seen = list(self.remains)
+            drained, tallies = await asyncio.to_thread(_measure, seen, live, kept, store)
+            self.remains = [r for r in self.remains if r not in drained]  # kept meanwhile
+            if len(self.remains) > MAX_REMAINS:
+                raise errors.FamilyOverLimit(
+                    f"cannot {what}: {len(self.remains)} closed or replaced sandboxes of "
+                    f"this family are still charged with what its live sandboxes share (at "
+                    f"most {MAX_REMAINS}); close some of its sandboxes")
+            over = [t for t in tallies if t.over]
+            if not over:
+                return
+            settling = any(isinstance(r, VolumeRemains) and r.deleted > start - SETTLE
+                           for r in self.remains)
+            if over[0].name != "disk" or not settling or time.monotonic() > start + SETTLE:
+                t = over[0]
+                raise errors.FamilyOverLimit(
+                    f"cannot {what}: the family holds {(t.retired + t.held) // MIB:,} MiB of "
+                    f"{t.name}, more than the {t.budget // MIB:,} MiB its {len(live)} live "
+                    f"sandbox(es) may; {t.retired // MIB:,} MiB of it belong to closed or "
+                    f"replaced sandboxes and live ones still {_SHARE[t.name]}")
+            await asyncio.sleep(SETTLE_STEP)
+
+
+_SHARE = {"memory": "map those pages", "disk": "stack on those files"}
+
+
+def _measure(remains: list[Remains], live: list[Body], kept: list[Body],
+             store: Store) -> tuple[list[Remains], list[Tally]]:
+    """(the remains drained, and deleted; the family's memory and, on a store that
+    counts per volume, its disk). Charges of a removed cgroup or a deleted volume only
+    ever shrink, so one found drained stays drained."""
+    memory, disk = Tally("memory"), Tally("disk")
+    drained = []
+    for r in remains:
+        if pinned := r.pinned():
+            (memory if isinstance(r, ChargedRemains) else disk).retired += pinned
+        else:
+            r.remove()
+            drained.append(r)
+    for body in live:
+        with contextlib.suppress(OSError):  # closed meanwhile: neither holds nor may
+            memory.held += body.cgroup.pinned_bytes()
+            memory.budget += body.cgroup.memory_limit()
+        with contextlib.suppress(OSError):
+            disk.held += store.used(body.layers.volume) or 0
+            limit = body.layers.disk_bytes
+            disk.budget = None if limit is None or disk.budget is None else disk.budget + limit
+    for body in kept:
+        with contextlib.suppress(OSError):
+            memory.held += body.cgroup.pinned_bytes()
+        with contextlib.suppress(OSError):
+            disk.held += store.used(body.layers.volume) or 0
+    return drained, [memory] if store.quota is None else [memory, disk]
