@@ -45,6 +45,8 @@ MIB = 1 << 20
 # later: a family over its disk limits just after deleting one is measured again meanwhile.
 SETTLE = 5.0
 SETTLE_STEP = 0.25
+INLINE_READS = 16  # bodies and unread remains a check reads on the event loop (~0.1 ms each)
+LINGERING = 64 << 10  # what a deleted volume's group keeps until the cleaner comes (≤ 16 KiB)
 
 
 class Remains(Protocol):
@@ -52,19 +54,23 @@ class Remains(Protocol):
     def remove(self) -> None: ...
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # one per removed body: by identity
 class VolumeRemains:
     """A deleted writable volume's quota group: the bytes it wrote that frozen layers
     (its snapshots, which fork children and checkpoints stack on) still reference."""
 
     group: str  # its quota group's sysfs directory (Store.charge_group)
-    deleted: float = field(default_factory=time.monotonic, compare=False)
+    deleted: float = field(default_factory=time.monotonic)
 
     def pinned(self) -> int:
+        """What frozen layers hold of what the volume wrote; 0 when at most its root's
+        tree blocks are left: btrfs frees those only when its cleaner gets to the
+        deleted volume, tens of seconds later (a fork-merge loop left one per round)."""
         try:
-            return btrfs.charged_bytes(self.group)
+            charged = btrfs.charged_bytes(self.group)
         except FileNotFoundError:  # the kernel dropped the group: nothing is charged
             return 0
+        return charged if charged > LINGERING else 0
 
     def remove(self) -> None:
         """Nothing to delete: the kernel drops a quota group nothing is charged to."""
@@ -91,13 +97,16 @@ class FamilyRoom:
     its live sandboxes map and stack on."""
 
     remains: list[Remains] = field(default_factory=list)
+    # Each remains' charge when last read: a bound on it, since charges only shrink.
+    last: dict[Remains, int] = field(default_factory=dict)
+    reread_at: int = 0  # every remains is read again once the family holds this many
 
     def keep(self, *remains: Remains | None) -> None:
         self.remains += [r for r in remains if r is not None]
 
     def free(self) -> None:
         """The family is gone: delete every directory it kept."""
-        remains, self.remains = self.remains, []
+        remains, self.remains, self.last = self.remains, [], {}
         for r in remains:
             r.remove()
 
@@ -106,23 +115,44 @@ class FamilyRoom:
         """Raise FamilyOverLimit if the family may not ``what`` (grow): it holds more
         than ``live`` (its sandboxes' bodies) may, counting ``kept`` (its checkpoints')
         and its remains; remains nothing is charged to any more are dropped on the way.
-        Reads a few files per sandbox (in a worker thread), so only a family that holds
-        remains pays for it: one that holds none is within its limits by construction."""
+
+        Only a family that holds remains pays for this (one that holds none is within
+        its limits by construction), and mostly a few reads per sandbox: remains read
+        before count at their last charge and a sandbox at its whole usage, both
+        bounds; only a family those bounds put over is read exactly. Every remains is
+        read again each time their number doubles, which drops the drained ones."""
         if not self.remains:
             return
         start = time.monotonic()
+        exact = False
         while True:
+            exact = exact or len(self.remains) >= self.reread_at
             seen = list(self.remains)
-            drained, tallies = await asyncio.to_thread(_measure, seen, live, kept, store)
-            self.remains = [r for r in self.remains if r not in drained]  # kept meanwhile
-            if len(self.remains) > MAX_REMAINS:
+            known = {} if exact else {r: self.last[r] for r in seen if r in self.last}
+            args = (seen, known, live, kept, store, exact)
+            if len(seen) - len(known) + len(live) + len(kept) <= INLINE_READS:
+                read, tallies = _measure(*args)  # a worker thread's turn costs more
+            else:
+                read, tallies = await asyncio.to_thread(_measure, *args)
+            self.last.update(read)
+            drained = {r for r, charge in read.items() if not charge}
+            self.remains = [r for r in self.remains if r not in drained]  # kept meanwhile too
+            for r in drained:
+                del self.last[r]
+            if exact:
+                self.reread_at = 2 * len(self.remains) + 16
+            cgroups = sum(isinstance(r, ChargedRemains) for r in self.remains)
+            if cgroups > MAX_REMAINS:
                 raise errors.FamilyOverLimit(
-                    f"cannot {what}: {len(self.remains)} closed or replaced sandboxes of "
-                    f"this family are still charged with what its live sandboxes share (at "
-                    f"most {MAX_REMAINS}); close some of its sandboxes")
+                    f"cannot {what}: the memory cgroups of {cgroups} closed or replaced "
+                    "sandboxes of this family are still charged with pages its live "
+                    f"sandboxes map (at most {MAX_REMAINS}); close some of its sandboxes")
             over = [t for t in tallies if t.over]
             if not over:
                 return
+            if not exact:
+                exact = True  # the bounds say over: read everything exactly
+                continue
             settling = any(isinstance(r, VolumeRemains) and r.deleted > start - SETTLE
                            for r in self.remains)
             if over[0].name != "disk" or not settling or time.monotonic() > start + SETTLE:
@@ -138,30 +168,34 @@ class FamilyRoom:
 _SHARE = {"memory": "map those pages", "disk": "stack on those files"}
 
 
-def _measure(remains: list[Remains], live: list[Body], kept: list[Body],
-             store: Store) -> tuple[list[Remains], list[Tally]]:
-    """(the remains drained, and deleted; the family's memory and, on a store that
-    counts per volume, its disk). Charges of a removed cgroup or a deleted volume only
-    ever shrink, so one found drained stays drained."""
+def _measure(remains: list[Remains], known: dict[Remains, int], live: list[Body],
+             kept: list[Body], store: Store,
+             exact: bool) -> tuple[dict[Remains, int], list[Tally]]:
+    """(the charge of each remains read now, not in ``known`` — the drained ones, 0, are
+    deleted; the family's memory and disk, each if its remains hold any: without them
+    a family is within its limits). A sandbox's memory is its whole usage unless
+    ``exact``: a bound on what it pins."""
     memory, disk = Tally("memory"), Tally("disk")
-    drained = []
+    read = {}
     for r in remains:
-        if pinned := r.pinned():
-            (memory if isinstance(r, ChargedRemains) else disk).retired += pinned
-        else:
-            r.remove()
-            drained.append(r)
-    for body in live:
-        with contextlib.suppress(OSError):  # closed meanwhile: neither holds nor may
-            memory.held += body.cgroup.pinned_bytes()
-            memory.budget += body.cgroup.memory_limit()
-        with contextlib.suppress(OSError):
-            disk.held += store.used(body.layers.volume) or 0
+        charge = known.get(r)
+        if charge is None:
+            charge = read[r] = r.pinned()
+            if not charge:
+                r.remove()
+        (memory if isinstance(r, ChargedRemains) else disk).retired += charge
+    if memory.retired:
+        for body in live:
+            with contextlib.suppress(OSError):  # closed meanwhile: neither holds nor may
+                memory.budget += body.cgroup.memory_limit()
+        for body in live + kept:
+            with contextlib.suppress(OSError):
+                memory.held += body.cgroup.pinned_bytes() if exact else body.cgroup.memory_bytes()
+    if disk.retired:
+        for body in live + kept:
+            with contextlib.suppress(OSError):
+                disk.held += store.used(body.layers.volume) or 0
+        for body in live:
             limit = body.layers.disk_bytes
             disk.budget = None if limit is None or disk.budget is None else disk.budget + limit
-    for body in kept:
-        with contextlib.suppress(OSError):
-            memory.held += body.cgroup.pinned_bytes()
-        with contextlib.suppress(OSError):
-            disk.held += store.used(body.layers.volume) or 0
-    return drained, [memory] if store.quota is None else [memory, disk]
+    return read, [t for t in (memory, disk) if t.retired]

@@ -403,7 +403,7 @@ class SandboxCgroup:
         return kept
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # one per removed body: by identity
 class ChargedRemains:
     """The memory cgroup of a removed sandbox, kept while pages live on charged to it
     (:meth:`SandboxCgroup.remove`): what its family still holds beyond its live
