@@ -370,3 +370,22 @@ def test_a_family_cannot_outgrow_its_memory_by_restoring(harness, make) -> None:
     sb.run_code("del b")
     sb.restore(cp)  # within the limits again: the body's own pages were freed
     assert sb.run_code("'b' in dir()").text == "False"
+
+
+def test_a_family_holds_a_bounded_number_of_sandboxes(harness, make, monkeypatch) -> None:
+    """Each fork child is a few processes and some memory drawn from what every family
+    shares (the all-sandboxes bound): a family had no limit on how many it held."""
+    monkeypatch.setattr(harness.engine.config, "max_family", 3)
+    parent = make()
+    with pytest.raises(ResourceLimit, match="would hold 4 sandboxes, past its limit of 3"):
+        parent.fork(3)
+    a, b = parent.fork(2)
+    with pytest.raises(ResourceLimit, match="past its limit"):
+        a.fork(1)
+    b.close()
+    (c,) = a.fork(1)  # room again
+    cp = parent.checkpoint()
+    with pytest.raises(ResourceLimit, match="past its limit"):
+        cp.fork(1)
+    for sb in (a, c):
+        sb.close()

@@ -154,6 +154,23 @@ def test_a_server_that_never_reads_is_let_go_once_its_client_leaves(
         "the relay outlived its client"
 
 
+def test_a_relay_ends_when_its_sandbox_closes(served: ServedDaemon, sandbox: Sandbox) -> None:
+    """A quiet relay to a closed sandbox waited on an address that never answers again,
+    until the keepalive gave up (~40 s): its client was kept, and so was the relay."""
+    sandbox.files.write("/srv/deaf.py", DEAF)
+    sandbox.exec("python3 /srv/deaf.py >/dev/null 2>&1", background=True)
+
+    async def scenario() -> None:
+        ws = await _connect(_ws_url(served, sandbox, 8766))
+        await asyncio.to_thread(sandbox.close)
+        try:
+            await asyncio.wait_for(ws.wait_closed(), 20)
+        except TimeoutError:
+            pytest.fail("the relay outlived its sandbox by 20 s")
+
+    asyncio.run(scenario())
+
+
 STREAMER = HANDSHAKE + textwrap.dedent("""
     size = int(sys.argv[1])
     srv = socket.create_server(("0.0.0.0", 8767))

@@ -79,7 +79,7 @@ class Branching:
 
     async def _fork_locked(self, parent: Live, channel: AgentChannel, n: int) -> list[Live]:
         """``n`` children of ``parent`` (locked, alive), adopted as its fork children."""
-        await self._check_room(parent, "fork")
+        await self._check_room(parent, "fork", n)
         made = await self._fork_bodies(parent.body, channel, parent, n, timings=parent)
         children = self._adopt_children(parent, made, parent.generation)
         self.events.publish("fork", parent.record, children=[c.id for c in children],

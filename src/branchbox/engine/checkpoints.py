@@ -231,7 +231,7 @@ class Checkpoints:
         async with cp.lock:
             if checkpoint_id not in self._checkpoints:
                 raise errors.SandboxNotFound()
-            await self._check_room(sb, "fork")
+            await self._check_room(sb, "fork", n)
             made = await self._copy_checkpoint(cp, sb, n)
         if self.live.get(sandbox_id) is not sb:  # closed meanwhile: its family may be gone
             for _, body in made:

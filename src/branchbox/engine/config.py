@@ -39,6 +39,10 @@ class EngineConfig:
         default_factory=lambda: int(os.environ.get("BRANCHBOX_DISK_MB", str(DEFAULT_DISK_MB)))
     )
     pids_max: int = 1024
+    # Live sandboxes a family may hold at once (a fork past it is a 429): each child is a
+    # few processes and ~2.6 MiB of memory drawn from what all sandboxes share.
+    max_family: int = field(
+        default_factory=lambda: int(os.environ.get("BRANCHBOX_MAX_FAMILY", "2048")))
     # Checkpoints a family may hold at once (each a process forked from a REPL that runs
     # nothing, a cgroup and a frozen layer).
     max_checkpoints: int = field(

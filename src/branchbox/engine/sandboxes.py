@@ -749,9 +749,14 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
             for remains in left:
                 remains.remove()
 
-    async def _check_room(self, sb: Live, what: str) -> None:
-        """Refuse ``what`` (a way for ``sb``'s family to grow) while the family holds more
-        memory or disk than its live sandboxes may (engine.family_room)."""
+    async def _check_room(self, sb: Live, what: str, adding: int = 0) -> None:
+        """Refuse ``what`` (a way for ``sb``'s family to grow, by ``adding`` sandboxes)
+        past the family's number of sandboxes, or while it holds more memory or disk
+        than its live sandboxes may (engine.family_room)."""
+        if (count := len(sb.family.members) + adding) > self.config.max_family:
+            raise errors.FamilyOverLimit(
+                f"cannot {what}: the family would hold {count:,} sandboxes, past its limit "
+                f"of {self.config.max_family:,} (BRANCHBOX_MAX_FAMILY)")
         if not sb.family.room.remains:
             return
         live = [m.body for sid in sb.family.members if (m := self.live.get(sid))]

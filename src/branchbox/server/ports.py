@@ -422,4 +422,9 @@ async def proxy_websocket(ws: WebSocket, sandbox_id: str, port: int, path: str =
         await ws.close(code=1011, reason=f"nothing answers on port {port} in the sandbox")
         return
     await ws.accept(subprotocol=upstream.subprotocol)
-    await relay(ws, upstream)
+
+    async def sandbox_gone() -> None:
+        while engine.net.address(target.body_key) is not None:
+            await asyncio.sleep(NETWORK_CHECK_EVERY)
+
+    await relay(ws, upstream, until=sandbox_gone)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 
 import websockets
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -104,9 +105,12 @@ class SandboxConnection(ClientConnection):
         super().connection_lost(exc)
 
 
-async def relay(ws: WebSocket, upstream: websockets.ClientConnection) -> None:
-    """Pass messages between the accepted ``ws`` and ``upstream`` until either side ends;
-    then close both (each within ``CLOSE_TIMEOUT``)."""
+async def relay(ws: WebSocket, upstream: websockets.ClientConnection,
+                until: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Pass messages between the accepted ``ws`` and ``upstream`` until either side ends,
+    or ``until()`` returns (the sandbox is gone: its address may never answer again, and
+    a quiet connection to it would stay until keepalive gave up); then close both (each
+    within ``CLOSE_TIMEOUT``)."""
     handoff: asyncio.Queue[str | bytes] = asyncio.Queue(maxsize=1)
 
     async def from_client() -> None:
@@ -138,8 +142,8 @@ async def relay(ws: WebSocket, upstream: websockets.ClientConnection) -> None:
                 await ws.send_text(message)
             await asyncio.sleep(0)  # a flood of small messages takes turns with the rest
 
-    tasks = [asyncio.create_task(work()) for work in (from_client, to_upstream,
-                                                     upstream_to_client)]
+    works = (from_client, to_upstream, upstream_to_client, *([until] if until else []))
+    tasks = [asyncio.create_task(work()) for work in works]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     finally:
