@@ -349,6 +349,7 @@ def test_a_family_cannot_outgrow_its_memory_by_closing_parents(harness, make) ->
         child.run_code("del a")  # the closed parent's pages are freed: nothing held
         (grandchild,) = child.fork(1)
         assert grandchild.run_code("len(b)").text == str(150 << 20)
+        grandchild.close()
         room = harness.engine.get(child.id).family.room
         assert sum(r.pinned() for r in room.remains) < 32 << 20  # a's 150 MiB are gone
     finally:
