@@ -476,3 +476,74 @@ def test_a_download_or_listing_its_client_left_stops_and_the_repl_lives(
     reply = daemon.run(victim, "kept", timeout=60)
     assert reply.status_code == 200 and "'state'" in reply.text, reply.text
     assert time.monotonic() - started < LIVE
+
+
+# Prepended to a forged answer: the agent's request handlers, from the REPL's own stack.
+FORGE = r'''
+import gc, math, os, sys
+def _find_agent():
+    frame = sys._getframe()
+    while frame is not None:
+        for value in frame.f_locals.values():
+            if type(value).__name__ == "Agent":
+                return value
+        frame = frame.f_back
+    return next(o for o in gc.get_objects() if type(o).__name__ == "Agent")
+_agent = _find_agent()
+_real = dict(_agent._handlers)
+def forge(op, answer):
+    """The next ``op`` request is answered ``answer`` (once), in the agent's place."""
+    def handler(agent, req, payload, fds):
+        for fd in fds:
+            os.close(fd)
+        _agent._handlers[op] = _real[op]
+        agent.done(req["rid"], answer)
+    _agent._handlers[op] = handler
+'''
+
+FORGED_ANSWERS = {
+    # The SDK put the pid into the paths of wait and kill: kill() paused another sandbox.
+    "exec-pid-is-a-path": ("exec", "{'pid': '../../sbx_other/pause?x='}", "POST", "commands",
+                           {"cmd": "true", "background": True}),
+    "run-error-is-text": ("run_code", "{'text': None, 'results': {}, 'figures': [], "
+                          "'error': 'boom', 'truncated': False, 'timed_out': False, "
+                          "'duration': 0.1, 'warnings': []}", "POST", "run_code",
+                          {"code": "1"}),
+    "exists-says-nothing": ("exists", "{}", "GET", "files/exists", None),
+    "stat-size-is-infinite": ("stat", "{'name': 'x', 'path': '/x', 'type': 'file', "
+                              "'size': math.inf, 'mode': 420, 'mtime': 0}", "GET", "files/stat",
+                              None),
+}
+
+
+@pytest.mark.parametrize("forged", FORGED_ANSWERS.values(), ids=FORGED_ANSWERS.keys())
+def test_an_answer_out_of_its_ops_shape_is_refused(daemon: Daemon, make: Callable[..., str],
+                                                   forged: tuple) -> None:
+    """Whatever answers a request in the agent's place, its result is held to its op's
+    shape before anything reads it: a 500 that says so, never a path, a traceback, a
+    KeyError in the SDK or a value the client cannot decode; the sandbox goes on."""
+    op, answer, method, path, body = forged
+    victim = make()
+    assert daemon.run(victim, FORGE + f"forge({op!r}, {answer})").status_code == 200
+    params = {"path": "/root"} if method == "GET" and path.startswith("files") else None
+    reply = daemon.http.request(method, f"/v1/sandboxes/{victim}/{path}", json=body,
+                                params=params, timeout=60)
+    assert reply.status_code == 500, reply.text
+    assert reply.json()["type"] == "MalformedAnswer", reply.text
+    assert "../" not in reply.text
+    assert daemon.run(victim, "6 * 7").json()["text"] == "42"
+
+
+def test_a_merge_whose_winner_never_answers_ends_and_unlocks(
+        daemon: Daemon, make: Callable[..., str]) -> None:
+    """The merge named the winner with a request of its own, without a bound, while it
+    held both sandboxes' locks: a winner that never answered held the parent for ever
+    (every later call a 409 "busy")."""
+    parent = make()
+    (child,) = daemon.http.post(f"/v1/sandboxes/{parent}/fork", json={"n": 1},
+                                timeout=120).json()["children"]
+    assert daemon.run(child, FORGE + "_agent._handlers['sethostname'] = "
+                                     "lambda agent, req, payload, fds: None").status_code == 200
+    reply = daemon.http.post(f"/v1/sandboxes/{parent}/merge_into/{child}", timeout=60)
+    assert reply.status_code == 204, reply.text
+    assert daemon.run(parent, "6 * 7").json()["text"] == "42"

@@ -390,3 +390,43 @@ def test_a_family_holds_a_bounded_number_of_sandboxes(harness, make, monkeypatch
         cp.fork(1)
     for sb in (a, c):
         sb.close()
+
+
+UDP_FLOOD = r"""
+import resource, socket
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+tx.setblocking(False)
+held = []
+for _ in range(min(hard, 4096) - 64):
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 24)
+    rx.bind(("127.0.0.1", 0))
+    for _ in range(64):  # never read
+        try:
+            tx.sendto(bytes(60000), rx.getsockname())
+        except OSError:
+            break
+    held.append(rx)
+len(held)
+"""
+
+
+def _udp_pages() -> int:
+    for line in Path("/proc/net/sockstat").read_text().splitlines():
+        if line.startswith("UDP:"):
+            return int(line.split()[-1])
+    return 0
+
+
+def test_socket_buffers_count_against_a_sandbox(harness, make) -> None:
+    """On cgroup v1 a cgroup is charged for socket buffers only once its TCP limit is set:
+    a sandbox of memory_mb=256 held 2.8 GiB of UDP receive queues (and 2.2 GiB of TCP
+    buffers, the host's whole tcp_mem), counted in no limit. Each sandbox now has at most
+    64 MiB of them (TCP and UDP alike)."""
+    sb = make(memory_mb=256)
+    before = _udp_pages()
+    assert int(sb.run_code(UDP_FLOOD, timeout=300).text) > 1000
+    grown = (_udp_pages() - before) * os.sysconf("SC_PAGE_SIZE")
+    assert grown < 96 << 20, f"the sandbox's unread datagrams hold {grown >> 20} MiB"

@@ -31,6 +31,7 @@ from branchbox.engine.layers import (
 from branchbox.engine.live import Body, Live
 from branchbox.engine.node import new_id
 from branchbox.engine.records import SandboxRecord
+from branchbox.engine.run_guard import OWN_REQUEST_WAIT
 from branchbox.engine.stopped import describe
 from branchbox.runtime import procfs
 from branchbox.runtime.cgroups import FreezeFailed, SandboxCgroup
@@ -514,8 +515,10 @@ class Branching:
         the background (the caller returns now)."""
         self._watch_body(sb)
         if not named:
-            with contextlib.suppress(errors.EngineError, AgentError, ChannelClosed):
-                await sb.body.channel.call("sethostname", {"hostname": sb.id})
+            with contextlib.suppress(errors.EngineError, AgentError, ChannelClosed,
+                                     TimeoutError):
+                await asyncio.wait_for(sb.body.channel.call("sethostname", {"hostname": sb.id}),
+                                       OWN_REQUEST_WAIT)
         await self.net.hand_over(sb.body.key, old.key, sb.body.cgroup, sb.body.repl_host)
         self._retire(old, sb.family)
 

@@ -10,6 +10,7 @@
     ├── SandboxTimeout (408)      a run or command hit its timeout
     ├── ReplGone (410)            the sandbox's REPL process died
     ├── CommandsGone (410)        the init of the sandbox's command namespace died
+    ├── MalformedAnswer (500)     the sandbox's agent answered out of its op's shape
     ├── PayloadTooLarge (413)
     ├── PathTooLong (422)         a path in the sandbox is longer than the host can name
     ├── ResourceLimit (429)       the sandbox's process limit is reached
@@ -70,6 +71,13 @@ class CommandsGone(EngineError):
 
     status = 410
     kind = "CommandsGone"
+
+
+class MalformedAnswer(EngineError):
+    """The sandbox's agent answered a request with a result not of its op's shape
+    (engine.answers): user code in the sandbox may answer in the agent's place."""
+
+    kind = "MalformedAnswer"
 
 
 class PayloadTooLarge(EngineError):

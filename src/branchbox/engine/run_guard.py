@@ -138,6 +138,11 @@ async def acquire(lock: asyncio.Lock, wait: float | None) -> None:
 PROMPT_OPS = frozenset({"ping", "kill", "ps", "input", "close_stdin", "resize", "unwatch"})
 """Requests the agent answers at once (they take no lock): bounded by the engine's wait."""
 
+# The most the engine waits for an answer to a request of its own that runs no user code
+# (a merge's new hostname, a cancel, a workspace's attach) while it holds a sandbox's
+# lock or a stop waits for it: a hostile agent that never answers held them for ever.
+OWN_REQUEST_WAIT = 10.0
+
 
 async def until_gone(events: AsyncIterator[T], limit: float | None = None) -> AsyncIterator[T]:
     """``events`` until the caller hangs up, or for at most ``limit`` seconds: then the wait

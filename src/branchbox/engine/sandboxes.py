@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from branchbox.agent.protocol import ChannelClosed
-from branchbox.engine import errors, listing, metrics
+from branchbox.engine import answers, errors, listing, metrics
 from branchbox.engine.branching import Branching
 from branchbox.engine.checkpoints import Checkpoint, Checkpoints
 from branchbox.engine.config import EngineConfig
@@ -44,6 +44,7 @@ from branchbox.engine.reattach import Reattach
 from branchbox.engine.records import Records, SandboxRecord
 from branchbox.engine.repl_end import repl_ended
 from branchbox.engine.run_guard import (
+    OWN_REQUEST_WAIT,
     PROMPT_OPS,
     RunDeadline,
     acquire,
@@ -670,8 +671,8 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
 
     @staticmethod
     async def _cancel(channel: AgentChannel, rid: int) -> None:
-        with contextlib.suppress(AgentError, ChannelClosed, OSError):
-            await channel.call("cancel", {"target": rid})
+        with contextlib.suppress(AgentError, ChannelClosed, OSError, TimeoutError):
+            await asyncio.wait_for(channel.call("cancel", {"target": rid}), OWN_REQUEST_WAIT)
 
     def _close_when_idle(self, sb: Live, idle: float) -> None:
         """Close ``sb`` once no request has used it for ``idle`` seconds (a run still going
@@ -839,8 +840,10 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
                                                       channel.stream(op, args, payload)),
                                 self.config.busy_wait if op in PROMPT_OPS else None)
             try:
-                async for item in events:
-                    yield item
+                async for header, payload in events:
+                    if header.get("ev") == "done":
+                        header = {**header, "result": answers.checked(op, header.get("result"))}
+                    yield header, payload
             finally:  # now, not when collected: an abandoned run is interrupted before unlock
                 await events.aclose()
         except AgentError as exc:

@@ -26,6 +26,7 @@ from branchbox.engine.layers import (
     WorkspaceLower,
 )
 from branchbox.engine.live import Body
+from branchbox.engine.run_guard import OWN_REQUEST_WAIT
 from branchbox.engine.stopped import describe
 from branchbox.runtime.cgroups import FreezeFailed
 from branchbox.storage import workspace_commit
@@ -162,7 +163,8 @@ class Workspaces:
         self.layers.add_workspace(body.layers, branch)
         ((tree, path),) = body.layers.mounts()
         try:
-            await body.channel.call("attach", {"path": path}, fds=[tree])
+            await asyncio.wait_for(body.channel.call("attach", {"path": path}, fds=[tree]),
+                                   OWN_REQUEST_WAIT)
         finally:
             os.close(tree)
 

@@ -32,6 +32,10 @@ from branchbox.runtime import procfs
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 V1_CONTROLLERS = ("memory", "pids", "cpu", "freezer")
 LEAVES = ("repl", "cmds")
+# Socket buffers a sandbox may hold on cgroup v1 (below its memory limit): a few dozen
+# busy connections' worth, a small share of the host's tcp_mem that every sandbox and
+# the host itself draw on.
+SOCKET_BUFFERS = 64 << 20
 # How long freeze() waits for the kernel to report a cgroup frozen. Read at each call.
 FREEZE_TIMEOUT = 2.0
 
@@ -196,6 +200,12 @@ class SandboxCgroup:
                 self._file("memory", "memory.memsw.limit_in_bytes").write_text(
                     str(limits.memory_bytes)
                 )
+            # v1 charges socket buffers (TCP and UDP) to a cgroup only once this is set, and
+            # then apart from memory.limit_in_bytes: without it one sandbox held 2.2 GiB of
+            # TCP and 2.8 GiB of UDP buffers, the host's whole tcp_mem, in no limit (v2
+            # charges them to memory.max).
+            self._file("memory", "memory.kmem.tcp.limit_in_bytes").write_text(
+                str(min(limits.memory_bytes, SOCKET_BUFFERS)))
             self._file("pids", "pids.max").write_text(str(limits.pids))
             self._file("cpu", "cpu.shares").write_text(str(max(2, limits.cpu_weight * 1024 // 100)))
 

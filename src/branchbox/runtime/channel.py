@@ -323,7 +323,9 @@ class AgentChannel:
         if protocol.tokens(raw) > protocol.MAX_AGENT_TOKENS:  # before json.loads pays them
             raise ProtocolViolation(f"header of more than {protocol.MAX_AGENT_TOKENS} values")
         try:
-            header = json.loads(raw)
+            # NaN and infinities (a rich JSON result may hold them) become null, as
+            # JSON has them: our answers and streams are JSON.
+            header = json.loads(raw, parse_constant=_null)
         except (ValueError, RecursionError):  # "[" * 5,000: deeper than json.loads goes
             raise ProtocolViolation("header is not JSON") from None
         del raw
@@ -556,3 +558,8 @@ class AgentChannel:
         for req in self._pending.values():
             req.ended.set()
         self._orphans.clear()
+
+
+def _null(_constant: str) -> None:
+    """What ``NaN``, ``Infinity`` and ``-Infinity`` in a header decode to."""
+    return None

@@ -181,7 +181,7 @@ class AsyncSandbox:
         if background:
             reply = await self._api.call("POST", self._url("/commands"),
                                          json={**body, "background": True})
-            return AsyncCommandHandle(self, reply["pid"])
+            return AsyncCommandHandle(self, reply.get("pid"))
         self._url()
         out = await within(timeout, collect(self._api.run("commands", self.id, body), on_stdout,
                                             on_stderr), "exec")
@@ -355,6 +355,8 @@ class AsyncCommandHandle:
     """A command running in the background."""
 
     def __init__(self, sandbox: AsyncSandbox, pid: int) -> None:
+        if type(pid) is not int or pid <= 0:  # it goes into URL paths: never a path itself
+            raise SandboxError(f"the server answered a command pid of {pid!r}, not a number")
         self.sandbox = sandbox
         self.pid = pid
 

@@ -140,11 +140,14 @@ _TABLE: dict[str, tuple[type[SandboxError], int | None]] = {
     "InsufficientStorage": (InsufficientStorage, 507),
     "ImageBuildFailed": (ImageBuildFailed, 422),
     "PathTooLong": (SandboxError, None),  # a sandbox's path too long for the host (422)
+    "MalformedAnswer": (SandboxError, None),  # the sandbox's agent answered out of shape
 }
 _BY_STATUS = {status: cls for cls, status in _TABLE.values() if status is not None}
 # Kinds whose class's hint does not fit them.
 _HINTS = {"CommandsGone": "the REPL and files still work; close the sandbox for one that "
                           "runs commands",
+          "MalformedAnswer": "code in the sandbox answered in its agent's place; close the "
+                             "sandbox if that was not meant",
           "FamilyOverLimit": "free memory or delete files in the family's sandboxes, delete "
                              "checkpoints or close sandboxes, then retry"}
 
