@@ -262,3 +262,27 @@ def test_image_names_are_checked(harness, make) -> None:
     Sandbox.remove_image("taken", transport=harness.transport())
     with pytest.raises(Conflict, match="built in"):
         Sandbox.remove_image("default", transport=harness.transport())
+
+
+def test_images_hold_a_bounded_share_of_the_store(harness, make, monkeypatch) -> None:
+    """Images outlive every sandbox and every limit: a loop of create, write, save, close
+    filled the store for every family. They are at most BRANCHBOX_MAX_IMAGES and half of
+    the store; past that a save is a 507 that says so, and nothing is left behind."""
+    from branchbox import InsufficientStorage
+    from branchbox.engine import images
+
+    sb = make()
+    held = len(harness.engine._saved_all())
+    monkeypatch.setattr(harness.engine.config, "max_images", held + 1)
+    sb.save_image("within-the-count")
+    try:
+        with pytest.raises(InsufficientStorage, match="BRANCHBOX_MAX_IMAGES"):
+            sb.save_image("past-the-count")
+        monkeypatch.setattr(harness.engine.config, "max_images", held + 10)
+        monkeypatch.setattr(images, "IMAGES_SHARE", 1e-9)  # smaller than any image
+        sb.exec("head -c 1M /dev/urandom > /root/data")
+        with pytest.raises(InsufficientStorage, match="share of the store"):
+            sb.save_image("past-the-share")
+        assert not any(m["name"].startswith("past-") for m in harness.engine._saved_all())
+    finally:
+        Sandbox.remove_image("within-the-count", transport=harness.transport())

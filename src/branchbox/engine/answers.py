@@ -156,3 +156,13 @@ def _malformed(op: str, key: str, result: dict) -> errors.MalformedAnswer:
     found = "nothing" if key not in result else type(result[key]).__name__
     return errors.MalformedAnswer(f"the sandbox's agent answered {op!r} with a malformed {key!r} "
                            f"({found}); the sandbox's code may have replaced its agent")
+
+
+def pid_in(answer: object, what: str) -> int:
+    """The process id in an answer of the engine's own (a ping, a fork's hello, a
+    checkpoint's): a positive int, else MalformedAnswer naming ``what``."""
+    pid = answer.get("pid") if type(answer) is dict else None
+    if not _pid(pid):
+        raise errors.MalformedAnswer(f"the sandbox's agent answered {what} with a pid of "
+                                     f"{type(pid).__name__}, not a process id")
+    return pid

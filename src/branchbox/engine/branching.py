@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from branchbox.agent.protocol import ChannelClosed
-from branchbox.engine import errors, lineage
+from branchbox.engine import answers, errors, lineage
 from branchbox.engine.layers import (
     FrozenLayer,
     LayerStack,
@@ -156,7 +156,7 @@ class Branching:
             if reading is None:  # a body keeps its REPL: look it up once
                 repl = await channel.call("ping")
                 pbody.repl_host = procfs.find_repl(pbody.cgroup.leaf_pids("repl"),
-                                                   int(repl.get("pid") or 0))
+                                                   answers.pid_in(repl, "a ping"))
                 reading = _reading(pbody.repl_host)
             inherit = await reading
             clock.mark("instant")  # commands frozen, what the REPL holds read from /proc
@@ -379,8 +379,11 @@ class Branching:
         """A child past Landlock's depth added a signal filter (see runtime.signal_guard):
         take its listener out of the child, then have the child let go of its copy, all
         before the child runs any user code."""
-        listener = await asyncio.to_thread(self.signal_guard.take, body.repl_host,
-                                           int(hello["signal_listener"]))
+        fd = hello.get("signal_listener")
+        if type(fd) is not int or not 0 <= fd < 1 << 20:
+            raise errors.MalformedAnswer(f"a fork child's hello named {fd!r} as its signal "
+                                         "listener, not a file descriptor")
+        listener = await asyncio.to_thread(self.signal_guard.take, body.repl_host, fd)
         # Kept for a daemon that re-attaches after a restart (the keeper lets go of it once
         # no process is under its filter): without a listener the calls would fail.
         self.keeper.keep([(SIGNAL_LISTENER + body.key, listener)])
@@ -627,7 +630,8 @@ async def _checked(hello, body: Body, entered: _Entered, forker: dict[str, int])
     not enter its sandbox is refused here, before anything (its network first) is made
     for it."""
     result = await hello
-    host = procfs.find_repl(body.cgroup.leaf_pids("repl"), int(result.get("pid") or 0))
+    host = procfs.find_repl(body.cgroup.leaf_pids("repl"),
+                            answers.pid_in(result, "a fork child's hello"))
     refused = errors.EngineError("fork failed: a child did not enter its sandbox")
     if host is None:
         raise refused

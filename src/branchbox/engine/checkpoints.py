@@ -27,7 +27,7 @@ import socket
 from dataclasses import dataclass, field
 
 from branchbox.agent.protocol import ChannelClosed
-from branchbox.engine import errors
+from branchbox.engine import answers, errors
 from branchbox.engine.live import Body, Live
 from branchbox.engine.pausing import refuse_paused
 from branchbox.engine.records import SandboxRecord
@@ -178,7 +178,7 @@ class Checkpoints:
             except ChannelClosed:
                 raise AgentError("Internal", "the checkpoint's process died before it was "
                                  "ready (its memory limit?)") from None
-            dormant.pid = int(forked.get("pid") or 0)
+            dormant.pid = answers.pid_in(forked, "a checkpoint")
             dormant.host_pid = procfs.find_repl(cgroup.leaf_pids("repl"), dormant.pid) or 0
             if not dormant.host_pid:
                 raise AgentError("Internal", "the checkpoint's process is not in its cgroup")

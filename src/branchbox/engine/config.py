@@ -43,6 +43,9 @@ class EngineConfig:
     # few processes and ~2.6 MiB of memory drawn from what all sandboxes share.
     max_family: int = field(
         default_factory=lambda: int(os.environ.get("BRANCHBOX_MAX_FAMILY", "2048")))
+    # Saved and built images the server holds at once (each also within half the store).
+    max_images: int = field(
+        default_factory=lambda: int(os.environ.get("BRANCHBOX_MAX_IMAGES", "1024")))
     # Checkpoints a family may hold at once (each a process forked from a REPL that runs
     # nothing, a cgroup and a frozen layer).
     max_checkpoints: int = field(

@@ -91,6 +91,7 @@ async def build_from_upload(engine, name: str, upload: Path, spec_member: str,
         except (ContextError, image_spec.SpecError) as exc:
             raise errors.InvalidRequest(str(exc)) from None
         engine.check_image_name(name)
+        engine._check_image_room(0)
         base = _resolve_base(engine, spec.base)
         async for event in _build(engine, name, spec, context, base, internet):
             yield event
@@ -272,6 +273,7 @@ async def _finish(engine, name: str, spec: image_spec.Spec, state: dict, keys: l
     }
     async with lock:
         engine.check_image_name(name)
+        engine._check_image_room(manifest["size_bytes"])
         write_atomically(engine._images_dir() / f"{name}.json", json.dumps(manifest))
     return engine._image_info(manifest)
 

@@ -38,6 +38,10 @@ RESERVED = (HOST,)  # the host's own root (engine/host_image.py)
 _SETID = stat.S_ISUID | stat.S_ISGID
 
 
+# What of the store saved and built images may hold together: the rest is the sandboxes'.
+IMAGES_SHARE = 0.5
+
+
 class SavedImages:
     """Mixed into Engine (uses its config, store, layers, live sandboxes and warm pool)."""
 
@@ -99,6 +103,7 @@ class SavedImages:
         Holds the sandbox's lock (as fork does): a merge or restore cannot swap its body
         while its layers are captured, and a call under way finishes first."""
         self.check_image_name(name)
+        self._check_image_room(0)
         sb = self.get(sandbox_id)
         if sb.record.image == HOST:
             raise errors.InvalidRequest(
@@ -140,12 +145,30 @@ class SavedImages:
             }
             async with self.__dict__.setdefault("_image_lock", asyncio.Lock()):
                 self.check_image_name(name)  # a save or build took it meanwhile
+                self._check_image_room(manifest["size_bytes"])
                 self._images_dir().mkdir(parents=True, exist_ok=True)
                 write_atomically(self._images_dir() / f"{name}.json", json.dumps(manifest))
         except BaseException:
             self.layers.deleter.put(volume)
             raise
         return manifest
+
+    def _check_image_room(self, adding: int) -> None:
+        """Refuse an image of ``adding`` bytes past the images' share of the store: they
+        outlive every sandbox and every limit (a loop of create, write, save, close filled
+        the store for every family), so together they hold at most
+        :data:`IMAGES_SHARE` of it and number at most ``config.max_images``."""
+        manifests = self._saved_all()
+        held = sum(m.get("size_bytes") or 0 for m in manifests)
+        room = int(self.store.capacity() * IMAGES_SHARE)
+        if len(manifests) >= self.config.max_images:
+            raise errors.InsufficientStorage(
+                f"the server holds {len(manifests):,} images, its limit "
+                f"(BRANCHBOX_MAX_IMAGES); delete some first")
+        if held + adding > room:
+            raise errors.InsufficientStorage(
+                f"images would hold {(held + adding) >> 20:,} MiB, past their share of the "
+                f"store ({room >> 20:,} MiB, half of it); delete some first")
 
     def _image_volumes(self) -> set[str]:
         """Names of the store's volumes images stand on (saved images' and cached build

@@ -529,7 +529,7 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
             raise
         body = Body(key, stack, cgroup, channel)
         try:  # its own address on the bridge; no egress until create applies a policy
-            repl = int((await channel.call("ping")).get("pid") or 0)
+            repl = answers.pid_in(await channel.call("ping"), "a ping")
             body.repl_host = procfs.find_repl(cgroup.leaf_pids("repl"), repl)
             await self.net.attach(key, cgroup, body.repl_host)
             resolv = self.net.resolv_conf()

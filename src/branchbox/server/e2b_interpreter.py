@@ -80,8 +80,9 @@ def _translated(header: dict) -> list[dict]:
         if figures and main.get("png") == figures[0]:
             del main["png"]  # the first figure stands in for a value without a picture
         lines.append({"type": "result", **main, "is_main_result": True})
-    if result.get("error"):
-        lines.append({"type": "error", **result["error"]})
+    if error := result.get("error"):  # its keys only: never a "type" of the agent's choice
+        lines.append({"type": "error", "name": error["name"], "value": error["value"],
+                      "traceback": error["traceback"]})
     return lines
 
 
