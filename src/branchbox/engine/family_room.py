@@ -165,7 +165,9 @@ class FamilyRoom:
             await asyncio.sleep(SETTLE_STEP)
 
 
-_SHARE = {"memory": "map those pages", "disk": "stack on those files"}
+_SHARE = {"memory": "map those pages",
+          "disk": "stack on those files (a file deleted or rewritten after a fork stays in "
+                  "the layer its branches share until they close)"}
 
 
 def _measure(remains: list[Remains], known: dict[Remains, int], live: list[Body],
