@@ -232,3 +232,24 @@ def test_a_family_cannot_outgrow_its_disk_by_restoring(make, harness) -> None:
         sb.checkpoint()
     assert sb.exec("rm /root/b && sync").exit_code == 0
     assert sb.checkpoint().id
+
+
+def test_a_fork_merge_loop_rewriting_a_file_goes_on_one_growing_stops(make, harness) -> None:
+    """Each round's old version of a rewritten file stays in the layer that round's fork
+    froze, charged to the family: a loop rewriting 30 MiB in a 100 MiB sandbox was
+    refused for good by its fourth round. Over its limits, a family still forks over one
+    squashed layer of what its children see, if that fits; a loop that keeps adding
+    files (what merging lets a family grow by) is refused once they do not."""
+    if refused_on_copy(harness, disk_mb=100):
+        return
+    sb = make(disk_mb=100)
+    for _ in range(8):
+        assert sb.exec("rm -f /root/state && " + dd_cmd("/root/state", 30)).exit_code == 0
+        (child,) = sb.fork(1)
+        sb.merge_into(child)
+    assert sb.exec("wc -c < /root/state").stdout.strip() == str(30 << 20)
+    with pytest.raises(ResourceLimit, match="would see"):
+        for round_ in range(4):
+            assert dd(sb, f"/root/more{round_}", 40).exit_code == 0
+            (child,) = sb.fork(1)
+            sb.merge_into(child)

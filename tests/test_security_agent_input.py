@@ -12,6 +12,7 @@ Liveness bounds are generous on purpose: these are not timings.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -257,6 +258,7 @@ MALFORMED = {
     "result-is-a-list": "s.sendall(frame({'rid': _rid(), 'ev': 'done', 'result': [1]}))",
     "unknown-rid": "s.sendall(frame({'rid': 10**9, 'ev': 'done', 'result': {}}))",
     "unknown-event": "s.sendall(frame({'rid': _rid(), 'ev': 'zzz'}))",
+    "chunk-for-a-run": "s.sendall(frame({'rid': _rid(), 'ev': 'chunk'}, b'abc'))",
     # A header past 1 MiB, or of more than 100,000 values, is refused before json.loads
     # pays for it: at 64 MiB of [[],...] one frame stopped every sandbox for seconds.
     "header-past-1-MiB": "s.sendall(frame({'rid': _rid(), 'ev': 'stdout', "
@@ -547,3 +549,54 @@ def test_a_merge_whose_winner_never_answers_ends_and_unlocks(
     reply = daemon.http.post(f"/v1/sandboxes/{parent}/merge_into/{child}", timeout=60)
     assert reply.status_code == 204, reply.text
     assert daemon.run(parent, "6 * 7").json()["text"] == "42"
+
+
+def test_output_with_a_lone_surrogate_reaches_clients_encodable(
+        daemon: Daemon, make: Callable[..., str]) -> None:
+    """A header's ``\\ud800`` escape decodes to a lone surrogate, which no client can
+    encode: E2B's process stream ended in an internal error, our SDK handed out a string
+    that failed on print(). Output text comes through with U+FFFD in its place."""
+    victim = make()
+    code = HOSTILE + r'''
+s = _ctrl()
+s.sendall(frame(b'{"rid": %d, "ev": "stdout", "data": "x\\ud800y"}' % _rid()))
+'''
+    reply = daemon.run(victim, code)
+    assert reply.status_code == 200, reply.text
+    lines = [json.loads(line) for line in reply.text.splitlines()]
+    assert [line["data"] for line in lines if line["type"] == "stdout"] == ["x\ufffdy"]
+
+
+def test_a_listing_nested_past_json_depth_is_refused(daemon: Daemon,
+                                                     make: Callable[..., str]) -> None:
+    """A chunk of 60,000 "[" made json.loads raise RecursionError, which the listing's
+    check did not catch: a 500 with a traceback instead of a refusal."""
+    victim = make()
+    assert daemon.run(victim, FORGE + "_agent._handlers['list'] = lambda agent, req, payload, "
+                      "fds: (agent.event(req['rid'], 'chunk', b'[' * 60000), "
+                      "agent.done(req['rid'], {'count': 0}))").status_code == 200
+    reply = daemon.http.get(f"/v1/sandboxes/{victim}/files/list", params={"path": "/root"})
+    assert reply.status_code == 500, reply.text
+    assert "malformed listing" in reply.json()["error"]
+    assert daemon.run(victim, "6 * 7").json()["text"] == "42"
+
+
+def test_a_deep_json_result_is_not_taken_for_a_forged_one(daemon: Daemon,
+                                                          make: Callable[..., str]) -> None:
+    """The check of a run's answer stopped at 64 levels of JSON and called a result one
+    level deeper (an honest `_repr_json_`) malformed: the whole run failed."""
+    victim = make()
+    code = ("class Deep:\n"
+            "    def _repr_json_(self):\n"
+            "        v = 1\n"
+            "        for _ in range(500):\n"
+            "            v = [v]\n"
+            "        return v\n"
+            "Deep()")
+    reply = daemon.run(victim, code)
+    assert reply.status_code == 200, reply.text
+    result = json.loads(reply.text.splitlines()[-1])
+    deep = result["results"]["application/json"]
+    for _ in range(500):
+        deep = deep[0]
+    assert deep == 1

@@ -171,6 +171,35 @@ def test_a_relay_ends_when_its_sandbox_closes(served: ServedDaemon, sandbox: San
     asyncio.run(scenario())
 
 
+SMUGGLING = textwrap.dedent("""
+    import socket, threading
+    srv = socket.create_server(("0.0.0.0", 8200))
+    def serve(conn):
+        request = conn.recv(65536)
+        if b"/first" in request:  # answers twice: the second for a request never made
+            conn.sendall(b"HTTP/1.1 200 OK\\r\\nContent-Length: 5\\r\\n\\r\\nfirst"
+                         b"HTTP/1.1 200 OK\\r\\nContent-Length: 6\\r\\n\\r\\nforged")
+        else:
+            conn.sendall(b"HTTP/1.1 200 OK\\r\\nContent-Length: 4\\r\\n\\r\\nreal")
+        threading.Event().wait()  # keeps the connection open
+    while True:
+        threading.Thread(target=serve, args=(srv.accept()[0],), daemon=True).start()
+""")
+
+
+def test_an_answer_nobody_asked_for_is_no_later_requests_answer(
+        served: ServedDaemon, sandbox: Sandbox) -> None:
+    """A connection kept for later requests carried a second answer the server sent to
+    the first one, and the next request to that address got it: an address a sandbox
+    made later may hold."""
+    sandbox.files.write("/srv/smuggle.py", SMUGGLING)
+    sandbox.exec("python3 /srv/smuggle.py >/dev/null 2>&1", background=True)
+    prefix = f"/v1/sandboxes/{sandbox.id}/ports/8200"
+    with httpx.Client(base_url=served.url, headers=AUTH, timeout=30) as client:
+        assert eventually(lambda: client.get(f"{prefix}/first").text == "first")
+        assert client.get(f"{prefix}/second").text == "real"
+
+
 STREAMER = HANDSHAKE + textwrap.dedent("""
     size = int(sys.argv[1])
     srv = socket.create_server(("0.0.0.0", 8767))
@@ -287,6 +316,8 @@ REDIRECTING = textwrap.dedent("""
             self.send_header("Set-Cookie", "branchbox_key =planted; Path=/")
             self.send_header("Set-Cookie", "Branchbox_Key\\t=planted")
             self.send_header("Set-Cookie", "app=1; Path=/")
+            self.send_header("Set-Cookie", "=branchbox_key=planted")  # sent as that name
+            self.send_header("Set-Cookie", "wide=1; Domain=example.com; Path=/app; HttpOnly")
             self.send_header("Clear-Site-Data", '"*"')
             self.send_header("Content-Length", "0")
             self.end_headers()
@@ -326,5 +357,7 @@ def test_a_sandboxs_redirects_stay_under_its_prefix(served: ServedDaemon,
     assert elsewhere == f"https://daemon.example/v1/sandboxes/{victim.id}"  # another host
     assert reply.headers["content-location"] == moved
     assert reply.headers["refresh"] == f"0; url={moved}"
-    assert reply.headers.get_list("set-cookie") == ["app=1; Path=/"]
+    # Kept to the sandbox's prefix: a cookie for "/" reached every sandbox's server.
+    assert reply.headers.get_list("set-cookie") == [
+        f"app=1; Path={prefix}/", f"wide=1; HttpOnly; Path={prefix}/app"]
     assert "clear-site-data" not in reply.headers

@@ -65,22 +65,31 @@ def _shape(**fields: Check) -> Check:
     return lambda v: type(v) is dict and all(k in v and c(v[k]) for k, c in fields.items())
 
 
-def _json(v: Any, depth: int = 0) -> bool:
-    """A JSON value without NaN or infinities (a rich result of ``application/json``)."""
-    if v is None or type(v) in (bool, int, str):
-        return True
-    if type(v) is float:
-        return math.isfinite(v)
-    if depth >= 64:
-        return False
-    if type(v) is list:
-        return all(_json(x, depth + 1) for x in v)
-    return type(v) is dict and all(type(k) is str and _json(x, depth + 1) for k, x in v.items())
+def _json(v: Any) -> bool:
+    """A JSON value without NaN or infinities (a rich result of ``application/json``),
+    however deep (walked without recursion: its header was decoded, so it is bounded)."""
+    todo = [v]
+    while todo:
+        x = todo.pop()
+        if type(x) is list:
+            todo += x
+        elif type(x) is dict:
+            if not all(type(k) is str for k in x):
+                return False
+            todo += x.values()
+        elif not (x is None or type(x) in (bool, int, str)
+                  or (type(x) is float and math.isfinite(x))):
+            return False
+    return True
 
 
 def _bundle(v: Any) -> bool:
-    """Rich representations of a value, mime type -> data."""
-    return type(v) is dict and all(type(k) is str and _json(x) for k, x in v.items())
+    """Rich representations of a value, mime type -> data: text (base64 for a picture),
+    or a JSON value for a JSON type."""
+    return type(v) is dict and all(
+        type(k) is str and (_json(x) if k == "application/json" or k.endswith("+json")
+                            else type(x) is str)
+        for k, x in v.items())
 
 
 _ENTRY = dict(name=_str, path=_str, type=lambda v: v in ("file", "dir", "symlink", "other"),
@@ -91,7 +100,8 @@ _COMMAND = dict(pid=_pid, cmd=_str, argv=_list(_str), running=_bool, exit_code=_
 
 # op -> its result's keys and their checks; "optional" keys may be left out.
 _RESULTS: dict[str, dict[str, Check]] = {
-    "run_code": dict(text=_maybe(_str), results=_bundle, figures=_list(_bundle),
+    "run_code": dict(text=_maybe(_str), results=_bundle,
+                     figures=_list(lambda f: _bundle(f) and _str(f.get("image/png"))),
                      error=_maybe(_ERROR), truncated=_bool, timed_out=_bool,
                      duration=_seconds, warnings=_list(_str)),
     "exec": dict(exit_code=_maybe(_int), truncated=_bool, duration=_seconds,

@@ -19,6 +19,7 @@ import signal
 import socket
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -79,28 +80,44 @@ class Branching:
             self._unlock(parent)  # once the REPL is done with the requests given up on
 
     async def _fork_locked(self, parent: Live, channel: AgentChannel, n: int) -> list[Live]:
-        """``n`` children of ``parent`` (locked, alive), adopted as its fork children."""
-        await self._check_room(parent, "fork", n)
-        made = await self._fork_bodies(parent.body, channel, parent, n, timings=parent)
+        """``n`` children of ``parent`` (locked, alive), adopted as its fork children.
+
+        A family over its disk limits may still fork, over one layer that holds only
+        what the children see (its chain squashed), if that fits the parent's disk
+        limit: files deleted or rewritten after earlier forks stay in the layers those
+        forks froze, charged to the family until they go, and a fork→merge loop that
+        rewrites a file each round got there for good. What the children would see
+        past the limit is still refused (that is how a family grows)."""
+        try:
+            await self._check_room(parent, "fork", n, settle=False)
+            within = None
+        except errors.FamilyOverLimit as over:
+            if over.resource != "disk" or parent.body.layers.disk_bytes is None:
+                raise
+            within = _Within(parent.body.layers.disk_bytes, over)
+        made = await self._fork_bodies(parent.body, channel, parent, n, timings=parent,
+                                       within=within)
         children = self._adopt_children(parent, made, parent.generation)
         self.events.publish("fork", parent.record, children=[c.id for c in children],
                             took=parent.last_fork["total"])
         return children
 
     async def _fork_bodies(self, pbody: Body, channel: AgentChannel, owner: Live, n: int,
-                           *, timings: Live | None = None) -> list[tuple[str, Body]]:
+                           *, timings: Live | None = None,
+                           within: _Within | None = None) -> list[tuple[str, Body]]:
         """``n`` new bodies forked from ``pbody`` (whose REPL is ``channel``), each with a
         fresh id and its network under ``owner``'s policy; not adopted. The body's
         commands are frozen for the fork and thawed after it. ``timings`` gets the fork's
-        timings as its ``last_fork``."""
+        timings as its ``last_fork``; ``within``: the children's lowers squashed into one
+        layer, which must fit it."""
         clock = _Phases()
         return await self._within_deadline(self._fork_from_instant(
-            pbody, channel, owner, n, clock, timings))
+            pbody, channel, owner, n, clock, timings, within))
 
     async def _fork_from_instant(self, pbody: Body, channel: AgentChannel, owner: Live,
-                                 n: int, clock: _Phases,
-                                 timings: Live | None) -> list[tuple[str, Body]]:
-        async with self._instant(pbody, channel, clock) as (lowers, inherit):
+                                 n: int, clock: _Phases, timings: Live | None,
+                                 within: _Within | None) -> list[tuple[str, Body]]:
+        async with self._instant(pbody, channel, clock, within) as (lowers, inherit):
             slots = _ReplSlots(channel, inherit, pbody.repl_host)
             return await self._make_bodies(slots, lowers, pbody.layers, owner, n, clock=clock,
                                            timings=timings)
@@ -132,7 +149,8 @@ class Branching:
                 "answer); nothing was made") from None
 
     @contextlib.asynccontextmanager
-    async def _instant(self, pbody: Body, channel: AgentChannel, clock: _Phases | None = None
+    async def _instant(self, pbody: Body, channel: AgentChannel, clock: _Phases | None = None,
+                       within: _Within | None = None
                        ) -> AsyncIterator[tuple[asyncio.Future, dict]]:
         """One instant of ``pbody`` to fork from: its commands frozen (until the block
         ends), its layer frozen into a new lower layer (squashed with the others when
@@ -149,7 +167,7 @@ class Branching:
         if os.environ.get(FORK_FAULT_ENV) == "frozen":
             os.kill(os.getpid(), signal.SIGKILL)
         fresh: list[FrozenLayer] = []
-        lowers = asyncio.ensure_future(self._frozen_lowers(pbody, fresh))
+        lowers = asyncio.ensure_future(self._frozen_lowers(pbody, fresh, within))
         try:
             if self.layers.backend.name != "btrfs":  # a copy freezes the whole sandbox
                 await asyncio.shield(lowers)
@@ -172,15 +190,23 @@ class Branching:
             if interrupted:
                 raise asyncio.CancelledError
 
-    async def _frozen_lowers(self, pbody: Body, fresh: list[FrozenLayer]) -> list[FrozenLayer]:
+    async def _frozen_lowers(self, pbody: Body, fresh: list[FrozenLayer],
+                             within: _Within | None = None) -> list[FrozenLayer]:
         """``pbody``'s lower layers for its children: its layer frozen now on top of its
-        frozen ones, squashed into one past MAX_CHAIN; each new layer goes in ``fresh``."""
+        frozen ones, squashed into one past MAX_CHAIN (or with ``within``, which what
+        the one layer holds must fit); each new layer goes in ``fresh``."""
         fresh.append(await self._freeze(pbody.layers, pbody.cgroup))
         lowers = [fresh[0], *pbody.layers.frozen]
-        if len(lowers) > MAX_CHAIN:
-            fresh.append(await self.content.run(pbody.layers.ids.family, self.layers.squash,
-                                                lowers))
+        family = pbody.layers.ids.family
+        if len(lowers) > MAX_CHAIN or (within is not None and len(lowers) > 1):
+            fresh.append(await self.content.run(family, self.layers.squash, lowers))
             lowers = [fresh[-1]]
+        if within is not None:
+            seen = await self.content.run(family, self.layer_bytes, lowers[0].lowerdir)
+            if seen > within.disk_bytes:
+                raise errors.FamilyOverLimit(
+                    f"{within.over}; what its children would see is {seen >> 20:,} MiB, more "
+                    f"than the parent's {within.disk_bytes >> 20:,} MiB", "disk")
         return lowers
 
     async def _make_bodies(self, slots: _ReplSlots | _WakeSlots,
@@ -594,6 +620,15 @@ def _split_paths(paths: list[str], workspace: Path | None) -> tuple[list[str], l
         if path == "/" or mount.startswith(path + "/"):
             in_workspace["/"] = None
     return list(in_root), list(in_workspace)
+
+
+@dataclass(frozen=True)
+class _Within:
+    """A fork of a family over its disk limits: its children's one lower layer must hold
+    at most ``disk_bytes``; ``over`` is the check's refusal."""
+
+    disk_bytes: int
+    over: errors.FamilyOverLimit
 
 
 class _Forked:

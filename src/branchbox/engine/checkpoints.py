@@ -205,7 +205,10 @@ class Checkpoints:
     async def restore(self, sandbox_id: str, checkpoint_id: str) -> None:
         """The sandbox becomes the checkpoint's instant again: same id and address, its
         current body released as merge_into releases a parent's. Branches forked before
-        are stale afterwards (a restore is a new generation, as a merge is)."""
+        are stale afterwards (a restore is a new generation, as a merge is). Never
+        refused for the family's limits (engine.family_room): the checkpoint holds what
+        it held, and the body let go holds less than it did; it is the checkpoint that
+        pins more, and a checkpoint is refused past them."""
         sb = self.get(sandbox_id)
         cp = self._checkpoint_of(sandbox_id, checkpoint_id)
         await self._acquire(sb, self.config.busy_wait)
@@ -214,7 +217,6 @@ class Checkpoints:
                 refuse_paused(sb)
                 if self.live.get(sandbox_id) is not sb or checkpoint_id not in self._checkpoints:
                     raise errors.SandboxNotFound()  # closed or deleted while we waited
-                await self._check_room(sb, "restore")
                 ((_, body),) = await self._copy_checkpoint(cp, sb, 1, hostname=sb.id)
             old = self._rebind(sb, body)
             self._record_rebind(sb)

@@ -120,10 +120,14 @@ class ResourceLimit(EngineError):
 
 
 class FamilyOverLimit(ResourceLimit):
-    """A fork, checkpoint or restore refused: the family holds more memory than its live
-    sandboxes' limits add up to (engine.family_room)."""
+    """A fork or checkpoint refused: the family holds more memory or disk than its live
+    sandboxes' limits add up to, or more sandboxes than it may (engine.family_room)."""
 
     kind = "FamilyOverLimit"
+
+    def __init__(self, message: str, resource: str = "") -> None:
+        super().__init__(message)
+        self.resource = resource  # "memory" or "disk" when over one of them
 
 
 class ServerStopping(EngineError):

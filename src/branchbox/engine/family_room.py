@@ -14,11 +14,14 @@ other family.
 
 So a family keeps account of such remains (:class:`~branchbox.runtime.cgroups.
 ChargedRemains`, :class:`VolumeRemains`) while anything is charged to them, and the
-engine refuses what would let it grow further — a fork, a checkpoint, a restore —
-while the family holds more memory or disk than its live sandboxes' limits add up
-to. Legitimate branching stays within them: what a family holds is then what its
-sandboxes map and see. A family holds at most its limits plus one round of its
-sandboxes' own allocations and writes; closing the family frees it all.
+engine refuses what would let it grow further — a fork, a checkpoint — while the
+family holds more memory or disk than its live sandboxes' limits add up to (a fork over
+its disk limits may go on over one squashed layer of what its children see, if that
+fits: engine.branching). A restore is never refused: the checkpoint pinned what it
+holds when it was made, and the body it replaces holds less once gone. Legitimate
+branching stays within the limits: what a family holds is then what its sandboxes map
+and see. A family holds at most its limits plus one round of its sandboxes' own
+allocations and writes; closing the family frees it all.
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ if TYPE_CHECKING:
     from branchbox.engine.live import Body
     from branchbox.storage.backend import Store
 
-# Remains a family may hold charged at once: each memory one is a cgroup the kernel keeps
-# (cgroup ids are host-wide, 65,535 at most), as it would keep it unnamed anyway.
+# Removed memory cgroups a family may keep charged at once: the kernel would keep each
+# anyway, unnamed, and their ids are host-wide (65,535 at most).
 MAX_REMAINS = 512
 MIB = 1 << 20
 # A deleted volume's bytes leave its quota group as btrfs's cleaner frees them, seconds
@@ -110,8 +113,8 @@ class FamilyRoom:
         for r in remains:
             r.remove()
 
-    async def check(self, what: str, live: list[Body], kept: list[Body],
-                    store: Store) -> None:
+    async def check(self, what: str, live: list[Body], kept: list[Body], store: Store,
+                    settle: bool = True) -> None:
         """Raise FamilyOverLimit if the family may not ``what`` (grow): it holds more
         than ``live`` (its sandboxes' bodies) may, counting ``kept`` (its checkpoints')
         and its remains; remains nothing is charged to any more are dropped on the way.
@@ -120,7 +123,9 @@ class FamilyRoom:
         its limits by construction), and mostly a few reads per sandbox: remains read
         before count at their last charge and a sandbox at its whole usage, both
         bounds; only a family those bounds put over is read exactly. Every remains is
-        read again each time their number doubles, which drops the drained ones."""
+        read again each time their number doubles, which drops the drained ones. Over
+        on disk just after a volume was deleted, it measures again for a few seconds
+        (btrfs frees a deleted volume's bytes late) unless not ``settle``."""
         if not self.remains:
             return
         start = time.monotonic()
@@ -155,13 +160,14 @@ class FamilyRoom:
                 continue
             settling = any(isinstance(r, VolumeRemains) and r.deleted > start - SETTLE
                            for r in self.remains)
-            if over[0].name != "disk" or not settling or time.monotonic() > start + SETTLE:
+            if over[0].name != "disk" or not (settle and settling) \
+                    or time.monotonic() > start + SETTLE:
                 t = over[0]
                 raise errors.FamilyOverLimit(
                     f"cannot {what}: the family holds {(t.retired + t.held) // MIB:,} MiB of "
                     f"{t.name}, more than the {t.budget // MIB:,} MiB its {len(live)} live "
                     f"sandbox(es) may; {t.retired // MIB:,} MiB of it belong to closed or "
-                    f"replaced sandboxes and live ones still {_SHARE[t.name]}")
+                    f"replaced sandboxes and live ones still {_SHARE[t.name]}", t.name)
             await asyncio.sleep(SETTLE_STEP)
 
 

@@ -21,7 +21,7 @@ def entries(payload: bytes) -> list[dict]:
     """The entries of one "chunk" event of a ``list`` answer (a JSON array)."""
     try:
         batch = json.loads(payload)
-    except ValueError:
+    except (ValueError, RecursionError):  # "[" * 60,000: deeper than json.loads goes
         batch = None
     if not isinstance(batch, list) or not all(map(_is_entry, batch)):
         raise errors.EngineError("the sandbox's agent answered a malformed listing")

@@ -750,7 +750,8 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
             for remains in left:
                 remains.remove()
 
-    async def _check_room(self, sb: Live, what: str, adding: int = 0) -> None:
+    async def _check_room(self, sb: Live, what: str, adding: int = 0,
+                          settle: bool = True) -> None:
         """Refuse ``what`` (a way for ``sb``'s family to grow, by ``adding`` sandboxes)
         past the family's number of sandboxes, or while it holds more memory or disk
         than its live sandboxes may (engine.family_room)."""
@@ -763,7 +764,7 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
         live = [m.body for sid in sb.family.members if (m := self.live.get(sid))]
         kept = [cp.body for cp in self._checkpoints.values()
                 if cp.record.family == sb.record.family]
-        await sb.family.room.check(what, live, kept, self.store)
+        await sb.family.room.check(what, live, kept, self.store, settle)
 
     async def _destroy_body(self, body: Body, *, keep_charged: bool = False) -> list[Remains]:
         """Kill, disconnect and free a body; each step runs even if an earlier one failed.

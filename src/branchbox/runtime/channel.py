@@ -53,6 +53,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import time
@@ -216,19 +217,22 @@ def _routing(header: object) -> tuple[int, str]:
     return rid, ev
 
 
-def _check(header: dict, payload: bytes) -> int:
-    """The content size of a well-formed event frame (blobs put back); raises
-    ProtocolViolation."""
+def _check(header: dict, payload: bytes, op: str) -> int:
+    """The content size of a well-formed event frame (blobs put back) of a request for
+    ``op``; raises ProtocolViolation. Output text is made encodable: a lone surrogate
+    (which a header's ``\\ud800`` escape makes) becomes U+FFFD, as the agent's own
+    decoding of undecodable output does, so every client can encode what it gets."""
     ev = header["ev"]
     if ev in ("stdout", "stderr"):
         data = header.get("data")
         if not isinstance(data, str) or len(data) > MAX_EVENT_DATA or payload \
                 or header.keys() - {"rid", "ev", "data"}:
             raise ProtocolViolation(f"malformed {ev} event")
+        header["data"] = _encodable(data)
         return len(data)
     if ev == "chunk":
-        if len(payload) > protocol.CHUNK or header.keys() - {"rid", "ev"}:
-            raise ProtocolViolation("malformed chunk event")
+        if op not in _CHUNKED or len(payload) > protocol.CHUNK or header.keys() - {"rid", "ev"}:
+            raise ProtocolViolation(f"malformed chunk event for request {op!r}"[:200])
         return len(payload)
     if ev == "done":
         if not isinstance(header.get("result", {}), dict) or payload:
@@ -241,6 +245,18 @@ def _check(header: dict, payload: bytes) -> int:
             raise ProtocolViolation("malformed fail event")
         return 0
     raise ProtocolViolation(f"unknown event kind {ev!r}"[:200])
+
+
+_CHUNKED = frozenset({"read", "list"})  # requests answered in raw chunks of bytes
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _encodable(text: str) -> str:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return _SURROGATE.sub("\ufffd", text)
+    return text
 
 
 INTERRUPTIBLE = {"run_code", "read", "list"}
@@ -362,9 +378,9 @@ class AgentChannel:
                     size += spilled
                     # An abandoned request's blobs were not kept: its header, dropped, is
                     # not put back together, only counted.
-                    content = spilled if req.abandoned else _check(header, payload)
+                    content = spilled if req.abandoned else _check(header, payload, req.op)
                 else:
-                    content = _check(header, payload)
+                    content = _check(header, payload, req.op)
                 if req.op == "list" and ev == "chunk" and len(payload) > LIST_CHUNK:
                     raise ProtocolViolation(f"a listing's chunk of {len(payload)} bytes")
                 req.charge(content, size, ev in _FINAL)

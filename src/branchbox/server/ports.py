@@ -82,7 +82,10 @@ _TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=60.0, pool=10.0)
 # sandbox takes to answer (for ever, if it likes), and under a shared cap one sandbox that
 # never answers left every other sandbox's proxied requests waiting for a free one. Each
 # sandbox has a cap of its own instead (beyond it: 429).
-_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+# No connection to a sandbox is kept for a later request: a server can answer more than
+# it was asked, and a kept connection's extra answer went to the next request to that
+# address, which a sandbox made later may hold.
+_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=0)
 PROXIED_PER_SANDBOX = 256
 NETWORK_CHECK_EVERY = 1.0
 """Seconds between checks, per proxied request, that the sandbox's network is still there."""
@@ -264,10 +267,13 @@ def _returned(raw: list[tuple[bytes, bytes]], where: _Where) -> list[tuple[bytes
     for name, value in raw:
         name = name.lower()
         if (name.decode("latin-1") in _HOP or name in (b"date", b"server")
-                or name in _ORIGIN_WIDE
-                or (name == b"set-cookie" and _cookie_name(value) == COOKIE.lower())):
+                or name in _ORIGIN_WIDE):
             continue
-        if name in _LOCATIONS:
+        if name == b"set-cookie":
+            value = _cookie(value, where)
+            if value is None:
+                continue
+        elif name in _LOCATIONS:
             value = where.relocated(value.decode("latin-1")).encode("latin-1")
         elif name == b"refresh":
             refresh = _refresh(value.decode("latin-1"), where)
@@ -276,6 +282,31 @@ def _returned(raw: list[tuple[bytes, bytes]], where: _Where) -> list[tuple[bytes
             value = refresh.encode("latin-1")
         kept.append((name, value))
     return [*kept, (b"content-security-policy", _PAGE_POLICY)]
+
+
+def _cookie(set_cookie: bytes, where: _Where) -> bytes | None:
+    """A ``Set-Cookie`` as the client may store it, or None. Every sandbox's pages share
+    the daemon's origin, so a cookie is kept to its sandbox's prefix: its ``Path`` goes
+    under the prefix (one set for "/" reached every sandbox's server, and so its
+    owner's session), its ``Domain`` is dropped (a cookie for a parent domain reached
+    every sandbox addressed by name). A cookie without a name (``=branchbox_key=x``,
+    which browsers send as ``branchbox_key=x``) or of the daemon's name is dropped."""
+    name = _cookie_name(set_cookie)
+    if not name or name == COOKIE.lower():
+        return None
+    pair, *attributes = set_cookie.split(b";")
+    path = b"/"
+    kept = [pair]
+    for attribute in attributes:
+        key, _, value = attribute.partition(b"=")
+        key = key.strip(b" \t").lower()
+        if key == b"path":
+            path = value.strip(b" \t") if value.strip(b" \t").startswith(b"/") else b"/"
+        elif key != b"domain":
+            kept.append(attribute)
+    prefix = where.prefix.encode("latin-1")
+    kept.append(b" Path=" + (prefix + path if prefix else path))
+    return b";".join(kept)
 
 
 def _cookie_name(set_cookie: bytes) -> str:
