@@ -148,7 +148,7 @@ def checked(op: str, result: Any) -> dict:
         return result if type(result) is dict else {}
     if type(result) is not dict:
         raise errors.MalformedAnswer(f"the sandbox's agent answered {op!r} with a "
-                              f"{type(result).__name__}, not an object")
+                                     f"{type(result).__name__}, not an object")
     kept = {}
     for key, check in fields.items():
         if key not in result or not check(result[key]):
@@ -164,8 +164,9 @@ def checked(op: str, result: Any) -> dict:
 
 def _malformed(op: str, key: str, result: dict) -> errors.MalformedAnswer:
     found = "nothing" if key not in result else type(result[key]).__name__
-    return errors.MalformedAnswer(f"the sandbox's agent answered {op!r} with a malformed {key!r} "
-                           f"({found}); the sandbox's code may have replaced its agent")
+    return errors.MalformedAnswer(f"the sandbox's agent answered {op!r} with a malformed "
+                                  f"{key!r} ({found}); the sandbox's code may have replaced "
+                                  "its agent")
 
 
 def pid_in(answer: object, what: str) -> int:
