@@ -74,9 +74,11 @@ def test_the_proxy_keeps_the_daemons_credentials_from_the_sandbox(
     seen = reply.json()
     assert "the-daemons-key" not in json.dumps(seen) and "a-token" not in json.dumps(seen)
     assert seen["cookie"] == "theme=dark; lang=en" and seen["x-custom"] == "kept"
-    # The sandbox's page is its own opaque origin and cannot plant the daemon's cookie.
+    # The sandbox's page is its own opaque origin and cannot plant the daemon's cookie;
+    # its own cookies are kept to its prefix (a cookie for "/" reached every sandbox).
     assert reply.headers["content-security-policy"].startswith("sandbox ")
-    assert reply.headers.get_list("set-cookie") == ["app=1; Path=/"]
+    assert reply.headers.get_list("set-cookie") == [
+        f"app=1; Path=/v1/sandboxes/{sb.id}/ports/8000/"]
 
 
 WS_BIG = HANDSHAKE + textwrap.dedent("""
