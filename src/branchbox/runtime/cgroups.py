@@ -203,9 +203,10 @@ class SandboxCgroup:
             # v1 charges socket buffers (TCP and UDP) to a cgroup only once this is set, and
             # then apart from memory.limit_in_bytes: without it one sandbox held 2.2 GiB of
             # TCP and 2.8 GiB of UDP buffers, the host's whole tcp_mem, in no limit (v2
-            # charges them to memory.max).
-            self._file("memory", "memory.kmem.tcp.limit_in_bytes").write_text(
-                str(min(limits.memory_bytes, SOCKET_BUFFERS)))
+            # charges them to memory.max). Absent on a kernel without kmem accounting.
+            with contextlib.suppress(OSError):
+                self._file("memory", "memory.kmem.tcp.limit_in_bytes").write_text(
+                    str(min(limits.memory_bytes, SOCKET_BUFFERS)))
             self._file("pids", "pids.max").write_text(str(limits.pids))
             self._file("cpu", "cpu.shares").write_text(str(max(2, limits.cpu_weight * 1024 // 100)))
 
