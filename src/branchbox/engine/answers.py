@@ -92,8 +92,9 @@ def _bundle(v: Any) -> bool:
         for k, x in v.items())
 
 
-_ENTRY = dict(name=_str, path=_str, type=lambda v: v in ("file", "dir", "symlink", "other"),
-              size=_count, mode=lambda v: type(v) is int and 0 <= v <= 0o7777, mtime=_number)
+# A file's entry: what stat, move and mkdir answer, and each entry of a listing.
+ENTRY = dict(name=_str, path=_str, type=lambda v: v in ("file", "dir", "symlink", "other"),
+             size=_count, mode=_count, mtime=_number)
 _ERROR = _shape(name=_str, value=_str, traceback=_str)
 _COMMAND = dict(pid=_pid, cmd=_str, argv=_list(_str), running=_bool, exit_code=_maybe(_int),
                 stdin=_bool, pty=_bool)
@@ -114,9 +115,9 @@ _RESULTS: dict[str, dict[str, Check]] = {
     "write": dict(size=_count),
     "list": dict(count=_count),
     "exists": dict(exists=_bool),
-    "stat": _ENTRY,
-    "move": _ENTRY,
-    "mkdir": dict(created=_bool, **_ENTRY),
+    "stat": ENTRY,
+    "move": ENTRY,
+    "mkdir": dict(created=_bool, **ENTRY),
     "watch": dict(id=_str),
     "watch_events": dict(events=lambda v: type(v) is list),  # each checked where it is read
 }

@@ -9,12 +9,9 @@ JSON of the answer already under way).
 from __future__ import annotations
 
 import json
-import math
 
 from branchbox.engine import errors
-
-FIELDS = frozenset({"name", "path", "type", "size", "mode", "mtime"})
-TYPES = frozenset({"file", "dir", "symlink", "other"})
+from branchbox.engine.answers import ENTRY
 
 
 def entries(payload: bytes) -> list[dict]:
@@ -29,12 +26,6 @@ def entries(payload: bytes) -> list[dict]:
 
 
 def _is_entry(entry: object) -> bool:
-    return (isinstance(entry, dict) and entry.keys() == FIELDS
-            and type(entry["name"]) is str and type(entry["path"]) is str
-            and type(entry["type"]) is str and entry["type"] in TYPES
-            and _count(entry["size"]) and _count(entry["mode"])
-            and type(entry["mtime"]) in (int, float) and math.isfinite(entry["mtime"]))
-
-
-def _count(value: object) -> bool:
-    return type(value) is int and value >= 0
+    """An entry's fields, only they, each of its type (the shape a ``stat`` answers)."""
+    return (isinstance(entry, dict) and entry.keys() == ENTRY.keys()
+            and all(check(entry[key]) for key, check in ENTRY.items()))

@@ -252,6 +252,8 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _encodable(text: str) -> str:
+    if text.isascii():  # most output: a flag CPython keeps, no pass over the text
+        return text
     try:
         text.encode()
     except UnicodeEncodeError:
