@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import textwrap
 from collections.abc import Iterator
@@ -416,8 +417,7 @@ def test_run_code(daemon: ServedDaemon) -> None:
 def test_filesystem_snapshots(daemon: ServedDaemon) -> None:
     """``create_snapshot(mode="filesystem")`` saves the sandbox's files as an image that
     ``Sandbox.create(snapshot_id)`` starts from (in E2B's home, without the memory);
-    listed by sandbox and name, deleted once unused; a snapshot with memory is refused
-    with the reason."""
+    listed by sandbox and name, deleted once unused."""
     out = run(daemon, """
         import json
         from e2b import Sandbox, SandboxException
@@ -425,11 +425,6 @@ def test_filesystem_snapshots(daemon: ServedDaemon) -> None:
         sbx = CodeSandbox.create()
         sbx.files.write("data.txt", "kept")
         sbx.run_code("x = 5")
-        try:
-            sbx.create_snapshot()
-            full = "answered"
-        except SandboxException as exc:
-            full = str(exc)
         auto = sbx.create_snapshot(mode="filesystem")
         named = sbx.create_snapshot("compat-snap", mode="filesystem")
         mine = sorted(s.snapshot_id for s in sbx.list_snapshots().next_items())
@@ -446,16 +441,115 @@ def test_filesystem_snapshots(daemon: ServedDaemon) -> None:
         sbx.kill()
         deleted = [Sandbox.delete_snapshot("compat-snap"), Sandbox.delete_snapshot("compat-snap"),
                    Sandbox.delete_snapshot(auto.snapshot_id)]
-        print(json.dumps({"full": full, "auto": auto.snapshot_id, "names": named.names,
+        print(json.dumps({"auto": auto.snapshot_id, "names": named.names,
                           "mine": mine, "by_name": by_name, "seen": seen, "in_use": in_use,
                           "deleted": deleted}))
     """)
-    assert "only filesystem snapshots" in out["full"]
     assert out["auto"].startswith("snapshot-") and out["names"] == ["compat-snap"]
     assert out["mine"] == sorted([out["auto"], "compat-snap"])
     assert out["by_name"] == ["compat-snap"]
     assert out["seen"] == ["kept", "/home/user", "NameError"]
     assert out["in_use"] == "SandboxException" and out["deleted"] == [True, False, True]
+
+
+SNAPSHOT_WITH_MEMORY = """
+    import json, sys
+    from e2b import Sandbox, SandboxException
+    from e2b_code_interpreter import Sandbox as CodeSandbox
+    sbx = CodeSandbox.create()
+    sbx.files.write("data.txt", "at the snapshot")
+    sbx.run_code("import os; x = [5]; os.environ['FOO'] = 'snap'; os.chdir('/tmp')")
+    snap = sbx.create_snapshot(NAME)
+    sbx.run_code("x.append(6)")
+    sbx.files.write("data.txt", "after it")
+    source = sbx.sandbox_id
+    sbx.kill()  # the snapshot outlives its sandbox
+"""
+
+
+def test_snapshots_with_memory(daemon: ServedDaemon) -> None:
+    """``create_snapshot()`` (E2B's default: memory and files) keeps the sandbox's instant
+    after the sandbox is killed; each ``Sandbox.create(snapshot_id)`` starts from it with
+    the REPL's variables, env and cwd and the files of that instant, apart from every other
+    one started from it, with the create's own env added; listed, named, replaced by a
+    snapshot of the same name, deleted (later creates from it fail, the sandboxes started
+    from it go on)."""
+    out = run(daemon, SNAPSHOT_WITH_MEMORY.replace("NAME", "") + """
+    a = CodeSandbox.create(snap.snapshot_id, envs={"EXTRA": "1"})
+    b = CodeSandbox.create(snap.snapshot_id)
+    a.run_code("x.append('a')")
+    a.files.write("data.txt", "a's")
+    state = "(x, os.environ.get('FOO'), os.environ.get('EXTRA'), os.getcwd())"
+    seen = [a.run_code(state).text, b.run_code(state).text, a.files.read("data.txt"),
+            b.files.read("data.txt"), b.commands.run("cat /home/user/data.txt").stdout,
+            a.commands.run("hostname").stdout.strip() == a.sandbox_id]
+    listed = [(s.snapshot_id, s.names) for s in Sandbox.list_snapshots(source).next_items()]
+    named = b.create_snapshot("compat-memory")
+    b.run_code("x.append('replaced')")
+    again = b.create_snapshot("compat-memory")
+    c = CodeSandbox.create("compat-memory")
+    replaced = c.run_code("x").text
+    taken = []
+    for name, mode in (("compat-memory", "filesystem"), ("default", None)):
+        try:
+            b.create_snapshot(name, mode=mode)
+        except SandboxException as exc:
+            taken.append(str(exc)[:3])
+    deleted = [Sandbox.delete_snapshot(snap.snapshot_id), Sandbox.delete_snapshot("compat-memory"),
+               Sandbox.delete_snapshot(snap.snapshot_id)]
+    try:
+        CodeSandbox.create(snap.snapshot_id)
+        after = "created"
+    except SandboxException as exc:
+        after = type(exc).__name__
+    still = a.run_code("len(x)").text
+    for s in (a, b, c):
+        s.kill()
+    print(json.dumps({"snap": snap.snapshot_id, "seen": seen, "listed": listed,
+                      "names": [named.names, again.names], "replaced": replaced,
+                      "taken": taken, "deleted": deleted, "after": after, "still": still,
+                      "left": len(Sandbox.list().next_items())}))
+    """)
+    assert out["snap"].startswith("snapshot-")
+    assert out["seen"] == ["([5, 'a'], 'snap', '1', '/tmp')", "([5], 'snap', None, '/tmp')",
+                           "a's", "at the snapshot", "at the snapshot", True]
+    assert out["listed"] == [[out["snap"], [out["snap"]]]]
+    assert out["names"] == [["compat-memory"], ["compat-memory"]]
+    assert out["replaced"] == "[5, 'replaced']"
+    assert out["taken"] == ["409", "409"]
+    assert out["deleted"] == [True, True, False] and out["after"] == "SandboxException"
+    assert out["still"] == "2" and out["left"] == 0
+
+
+def test_snapshots_with_memory_outlive_a_keep_restart() -> None:
+    """A daemon stopped with ``--keep`` leaves its snapshots as it leaves its sandboxes:
+    the next one on its data directory starts sandboxes from them."""
+    env = {**os.environ, "BRANCHBOX_API_KEY": API_KEY}
+    first = ServedDaemon("e2b-keep", env, "--keep")
+    second = None
+    try:
+        made = run(first, SNAPSHOT_WITH_MEMORY.replace("NAME", "'kept-snap'") + """
+    print(json.dumps({"snap": snap.snapshot_id}))
+        """)
+        first.proc.send_signal(signal.SIGTERM)
+        assert first.proc.wait(60) == 0, first.log.read_text()
+        second = ServedDaemon("e2b-keep", env, data_dir=first.data_dir)
+        out = run(second, """
+            import json
+            from e2b import Sandbox
+            from e2b_code_interpreter import Sandbox as CodeSandbox
+            listed = [s.snapshot_id for s in Sandbox.list_snapshots().next_items()]
+            sbx = CodeSandbox.create("kept-snap")
+            print(json.dumps({"listed": listed, "x": sbx.run_code("x").text,
+                              "file": sbx.files.read("data.txt")}))
+        """)
+    finally:
+        if second is not None:
+            second.stop()  # closes the sandbox and ends the snapshot
+        else:
+            first.stop()
+    assert made["snap"] == "kept-snap"
+    assert out == {"listed": ["kept-snap"], "x": "[5]", "file": "at the snapshot"}
 
 
 def test_metrics(daemon: ServedDaemon) -> None:

@@ -22,10 +22,14 @@ def handle_sethostname(agent, req: dict, payload: bytes, fds: list[int]) -> None
 
 
 def handle_configure(agent, req: dict, payload: bytes, fds: list[int]) -> None:
-    """A warm sandbox handed out to a create request takes that request's env and cwd."""
+    """A warm sandbox handed out to a create request takes that request's env and cwd
+    (a sandbox started from a snapshot, only env: it stays where the snapshot was)."""
     os.environ.update(req.get("env") or {})
     time.tzset()  # TZ is read at time's import: a warm REPL's was the defaults'
-    cwd = req.get("cwd") or "/root"
+    if "cwd" not in req:
+        agent.done(req["rid"], {})
+        return
+    cwd = req["cwd"] or "/root"
     try:
         os.makedirs(cwd, exist_ok=True)
         os.chdir(cwd)

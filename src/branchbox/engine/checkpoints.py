@@ -11,9 +11,10 @@ once more, that process enters a new body as a fork child does, and the
 sandbox's id is rebound to it exactly as ``merge_into`` rebinds it to a winner
 (same id, same address, old body released); the checkpoint itself stays for
 later restores and for ``fork``. A sandbox's checkpoints end with it (close,
-or its id retired by a merge into its parent). They count against the
-family's limit of checkpoints (``EngineConfig.max_checkpoints``), and each
-one's cgroup has the sandbox's memory limit.
+or its id retired by a merge into its parent), but for snapshots, checkpoints
+kept beyond it (engine.snapshots). They count against the family's limit of
+checkpoints (``EngineConfig.max_checkpoints``), and each one's cgroup has the
+sandbox's memory limit.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 
 from branchbox.agent.protocol import ChannelClosed
 from branchbox.engine import answers, errors
-from branchbox.engine.live import Body, Live
+from branchbox.engine.live import Body, FamilyHandle, Live
 from branchbox.engine.pausing import refuse_paused
 from branchbox.engine.records import SandboxRecord
 from branchbox.engine.stopped import describe
@@ -41,13 +42,21 @@ log = logging.getLogger("branchbox.engine")
 
 NAME_MAX = 128
 CHECKPOINT = "checkpoint"  # the state of a checkpoint's record
+SANDBOX_SETTINGS = ("cwd", "memory_mb", "disk_mb", "idle_timeout", "network")
+"""What a snapshot keeps of its sandbox's settings, for the sandboxes started from it."""
 
 
 @dataclass(eq=False)
 class Checkpoint:
     record: SandboxRecord  # parent_id: the sandbox; meta: name and generation
     body: Body
+    family: FamilyHandle | None = None  # a snapshot's: it is one of the family's members
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def snapshot(self) -> str | None:
+        """The snapshot's name, if this checkpoint is one (engine.snapshots)."""
+        return snapshot_name(self.record)
 
     @property
     def id(self) -> str:
@@ -70,6 +79,12 @@ class Checkpoint:
                 "resources": resources}
 
 
+def snapshot_name(record: SandboxRecord) -> str | None:
+    """The name of the snapshot ``record`` is, or None (a checkpoint or a sandbox)."""
+    kept = record.meta.get("snapshot") if record.state == CHECKPOINT else None
+    return kept.get("name") if isinstance(kept, dict) else None
+
+
 def _check_name(name: object) -> None:
     if name is None:
         return
@@ -84,7 +99,7 @@ class Checkpoints:
 
     def _checkpoint_of(self, sandbox_id: str, checkpoint_id: str) -> Checkpoint:
         cp = self._checkpoints.get(checkpoint_id)
-        if cp is None or cp.sandbox_id != sandbox_id:
+        if cp is None or cp.sandbox_id != sandbox_id or cp.snapshot:
             raise errors.SandboxNotFound(f"checkpoint {checkpoint_id!r} of {sandbox_id} not "
                                          "found")
         return cp
@@ -92,12 +107,15 @@ class Checkpoints:
     def checkpoints(self, sandbox_id: str) -> list[Checkpoint]:
         """The sandbox's checkpoints, oldest first."""
         self.get(sandbox_id)
-        return sorted((cp for cp in self._checkpoints.values() if cp.sandbox_id == sandbox_id),
+        return sorted((cp for cp in self._checkpoints.values()
+                       if cp.sandbox_id == sandbox_id and not cp.snapshot),
                       key=lambda cp: cp.record.created)
 
-    async def checkpoint(self, sandbox_id: str, name: str | None = None) -> Checkpoint:
+    async def checkpoint(self, sandbox_id: str, name: str | None = None, *,
+                         snapshot: str | None = None) -> Checkpoint:
         """This instant of the sandbox (REPL memory, files, env, cwd), kept by a process
-        that runs nothing."""
+        that runs nothing; with ``snapshot``, kept beyond the sandbox under that name, a
+        member of its family (engine.snapshots)."""
         _check_name(name)
         sb = self.get(sandbox_id)
         family = [cp for cp in self._checkpoints.values()
@@ -117,13 +135,18 @@ class Checkpoints:
             except (AgentError, ChannelClosed) as exc:
                 why = exc.message if isinstance(exc, AgentError) else "the REPL died"
                 raise errors.EngineError(f"checkpoint failed: {why}") from None
+            meta = {"name": name, "generation": sb.generation, "pid": body.channel.pid,
+                    "stack": describe(body.layers), "launcher": list(sb.family.family.ident)}
+            if snapshot is not None:  # what sandboxes started from it take (their limits)
+                meta["snapshot"] = {"name": snapshot, "sandbox": {
+                    k: sb.record.meta.get(k) for k in SANDBOX_SETTINGS}}
             record = SandboxRecord(
                 id="cp_" + secrets.token_hex(16), family=sb.record.family, instance=body.key,
-                image=sb.record.image, parent_id=sb.id, state=CHECKPOINT,
-                meta={"name": name, "generation": sb.generation, "pid": body.channel.pid,
-                      "stack": describe(body.layers), "launcher": list(sb.family.family.ident)})
-            cp = Checkpoint(record, body)
+                image=sb.record.image, parent_id=sb.id, state=CHECKPOINT, meta=meta)
+            cp = Checkpoint(record, body, sb.family if snapshot is not None else None)
             self._checkpoints[cp.id] = cp
+            if cp.family is not None:
+                cp.family.members.add(cp.id)
             self.records.put(record)
             self._keep_channels([body])
             self.events.publish("checkpoint", sb.record, checkpoint=cp.id, name=name)
@@ -255,7 +278,8 @@ class Checkpoints:
     def _drop_checkpoints(self, sandbox_id: str) -> list[Body]:
         """Forget the sandbox's checkpoints; returns their bodies for the caller to
         destroy (close awaits them, a merge retires them in the background)."""
-        gone = [cp for cp in self._checkpoints.values() if cp.sandbox_id == sandbox_id]
+        gone = [cp for cp in self._checkpoints.values()
+                if cp.sandbox_id == sandbox_id and not cp.snapshot]
         for cp in gone:
             del self._checkpoints[cp.id]
         if gone:

@@ -50,6 +50,10 @@ class EngineConfig:
     # nothing, a cgroup and a frozen layer).
     max_checkpoints: int = field(
         default_factory=lambda: int(os.environ.get("BRANCHBOX_MAX_CHECKPOINTS", "256")))
+    # Snapshots the server holds at once (engine.snapshots): each keeps a sandbox's
+    # instant, memory and files, and its family, after the sandbox is gone.
+    max_snapshots: int = field(
+        default_factory=lambda: int(os.environ.get("BRANCHBOX_MAX_SNAPSHOTS", "64")))
     # How long a call waits for a sandbox busy with another before 409 (nothing waits on
     # a sandbox's lock without a bound).
     busy_wait: float = field(

@@ -94,6 +94,8 @@ class SavedImages:
             raise errors.Conflict(f"image name {name!r} is reserved")
         if self._saved(name) is not None:
             raise errors.Conflict(f"image {name!r} exists; remove it first")
+        if name in self._snapshots:  # E2B starts sandboxes from either by name
+            raise errors.Conflict(f"a snapshot is named {name!r}; delete it first")
 
     # --------------------------------------------------------------------- save
     async def save_image(self, sandbox_id: str, name: str, workdir: str | None = None) -> dict:

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from branchbox.agent import protocol
 from branchbox.agent.protocol import ChannelClosed
 from branchbox.engine import errors
-from branchbox.engine.checkpoints import CHECKPOINT, Checkpoint
+from branchbox.engine.checkpoints import CHECKPOINT, Checkpoint, snapshot_name
 from branchbox.engine.layers import LayerStack
 from branchbox.engine.live import Body, FamilyHandle, Live
 from branchbox.engine.pausing import PAUSED
@@ -119,7 +119,8 @@ class Reattach:
             if (rec.state in _ATTACHABLE and family is not None and sock is not None
                     and rec.instance in cgroups and isinstance(rec.meta.get("stack"), dict)
                     and (not rec.meta.get("workspace") or "workspace" in rec.meta["stack"])
-                    and (rec.state != CHECKPOINT or rec.parent_id in parents)):
+                    and (rec.state != CHECKPOINT or rec.parent_id in parents
+                         or snapshot_name(rec))):
                 candidates.append((rec, sock, cgroups[rec.instance], family))
             elif sock is not None:
                 sock.close()
@@ -127,9 +128,10 @@ class Reattach:
             sock.close()
         answered = await asyncio.gather(*(self._answers(*c) for c in candidates))
         survivors = {s.record.id: s for s in answered if s is not None}
-        # A checkpoint whose sandbox did not come back goes with it.
+        # A checkpoint whose sandbox did not come back goes with it (a snapshot stays).
         for sid in [sid for sid, s in survivors.items()
-                    if s.record.state == CHECKPOINT and s.record.parent_id not in survivors]:
+                    if s.record.state == CHECKPOINT and s.record.parent_id not in survivors
+                    and not snapshot_name(s.record)]:
             await survivors.pop(sid).channel.close()
         needed = {s.family.ident for s in survivors.values()}
         for ident, family in launchers.items():
@@ -189,7 +191,8 @@ class Reattach:
             try:
                 if stack is None:
                     raise errors.EngineError("its volumes or its id slot are gone")
-                if rec.state == CHECKPOINT and rec.parent_id not in self.live:
+                if rec.state == CHECKPOINT and rec.parent_id not in self.live \
+                        and not snapshot_name(rec):
                     raise errors.EngineError("its sandbox did not come back")
                 stack.base = await self._base_layers(rec.image)
                 self._rebranch(stack, rec.meta["stack"].get("workspace"))
@@ -204,7 +207,7 @@ class Reattach:
                 self.records.mark_closed([sid])
                 continue
             body = Body(rec.instance, stack, s.cgroup, s.channel)
-            if rec.state == CHECKPOINT:
+            if rec.state == CHECKPOINT and not snapshot_name(rec):
                 self._checkpoints[sid] = Checkpoint(rec, body)
                 continue
             handle = handles.get(s.family.ident)
@@ -214,6 +217,10 @@ class Reattach:
                                                      stack.ids)
                 stack.ids.hold()  # the family's processes' hold
             handle.members.add(sid)
+            if rec.state == CHECKPOINT:  # a snapshot: a member of its family
+                cp = self._checkpoints[sid] = Checkpoint(rec, body, handle)
+                self._snapshots[cp.snapshot] = cp
+                continue
             sb = Live(rec, body, handle, generation=rec.meta.get("gen", 0),
                       forked_at=rec.meta.get("forked_at"))
             policy = rec.meta.get("network") or self.net.policy_of(None, None)

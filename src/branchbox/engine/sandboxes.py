@@ -52,6 +52,7 @@ from branchbox.engine.run_guard import (
     release_when_quiet,
     until_gone,
 )
+from branchbox.engine.snapshots import Snapshots
 from branchbox.engine.stopped import Stopped, StoppedSandboxes, describe
 from branchbox.engine.templates import Templates
 from branchbox.engine.warm import WARM_CWD, WarmPool
@@ -103,7 +104,7 @@ _LOCK_FREE_OPS = {"ping", "wait", "kill", "ps", "follow", "input", "close_stdin"
 
 
 class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, Checkpoints,
-             StoppedSandboxes, Reattach):
+             Snapshots, StoppedSandboxes, Reattach):
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.live: dict[str, Live] = {}
@@ -116,6 +117,7 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
         # descendant whose intermediate ancestors are closed can still be merged.
         self._lineage: dict[str, tuple[str, int]] = {}
         self._checkpoints: dict[str, Checkpoint] = {}  # by id; see engine.checkpoints
+        self._snapshots: dict[str, Checkpoint] = {}  # by name, also in _checkpoints
         self._stopped: dict[str, Stopped] = {}  # files kept, no processes (engine.stopped)
         self._generations = itertools.count(1)
         self._unfavor = None
@@ -222,6 +224,7 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
             for sid in list(self.live):
                 with contextlib.suppress(errors.EngineError):
                     await self.close(sid)
+            await self._drop_snapshots()
             self._release_stopped()
             SandboxCgroup.remove_group(self.config.cgroup_group)
             if self.net is not None:
@@ -726,11 +729,18 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
             sb.record.state = "closed"
             self.records.mark_closed([sb.id])
             self.events.publish("close", sb.record)
-            sb.family.members.discard(sb.id)
-            self._leave_charged(sb.family, left)
-            if not sb.family.members:
-                await sb.family.family.kill()
-                sb.family.room.free()
+            await self._leave_family(sb.family, sb.id, left)
+
+    async def _leave_family(self, family: FamilyHandle, member: str,
+                            left: list[Remains]) -> None:
+        """``member`` (a sandbox, or a snapshot: engine.snapshots) is gone: what its body
+        left charged stays on the family's account while others remain; the last one
+        gone ends the family (its namespaces and whatever still runs in them)."""
+        family.members.discard(member)
+        self._leave_charged(family, left)
+        if not family.members:
+            await family.family.kill()
+            family.room.free()
 
     def _retire(self, body: Body, family: FamilyHandle | None = None) -> None:
         """Destroy a body in the background (stop() waits for it); what it leaves charged
@@ -761,9 +771,11 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
                 f"of {self.config.max_family:,} (BRANCHBOX_MAX_FAMILY)")
         if not sb.family.room.remains:
             return
+        # A snapshot may hold what its sandbox did: it counts as a live one does.
+        family = [cp for cp in self._checkpoints.values() if cp.record.family == sb.record.family]
         live = [m.body for sid in sb.family.members if (m := self.live.get(sid))]
-        kept = [cp.body for cp in self._checkpoints.values()
-                if cp.record.family == sb.record.family]
+        live += [cp.body for cp in family if cp.snapshot]
+        kept = [cp.body for cp in family if not cp.snapshot]
         await sb.family.room.check(what, live, kept, self.store, settle)
 
     async def _destroy_body(self, body: Body, *, keep_charged: bool = False) -> list[Remains]:

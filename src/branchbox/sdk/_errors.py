@@ -70,7 +70,9 @@ class SandboxTimeout(SandboxError, TimeoutError):
 
 
 class Conflict(SandboxError):
-    hint = "retry once the sandbox's current call has finished"
+    # Not only "busy": a name taken, a paused sandbox, a branch whose parent moved on.
+    hint = ("retry once what the message names has changed (a busy sandbox: once its "
+            "current call has finished)")
 
 
 class StaleBranchError(Conflict):

@@ -171,10 +171,15 @@ async def create(body: NewSandbox, request: Request, engine: EngineDep) -> dict:
         network = {k: v for k, v in (("allow_out", body.network.allow_out),
                                      ("deny_out", body.network.deny_out)) if v is not None}
     internet = True if body.allow_internet_access is None else body.allow_internet_access
-    sb = await engine.create(image=image, env=body.env_vars or None,
-                             cwd=E2B_HOME if image == "default" else None,
-                             timeout=body.timeout or _DEFAULT_TIMEOUT,
-                             internet=internet, network=network)
+    if engine.is_snapshot(body.template_id):
+        sb = await engine.start_from_snapshot(body.template_id, env=body.env_vars or None,
+                                              timeout=body.timeout or _DEFAULT_TIMEOUT,
+                                              internet=internet, network=network)
+    else:
+        sb = await engine.create(image=image, env=body.env_vars or None,
+                                 cwd=E2B_HOME if image == "default" else None,
+                                 timeout=body.timeout or _DEFAULT_TIMEOUT,
+                                 internet=internet, network=network)
     engine.set_labels(sb.id, body.metadata or {})
     return _created(request, engine, sb.id)
 
@@ -335,16 +340,13 @@ async def fork(sandbox_id: str, request: Request, engine: EngineDep,
 async def create_snapshot(sandbox_id: str, engine: EngineDep,
                           body: Annotated[NewSnapshot, Body(default_factory=NewSnapshot)]
                           ) -> dict:
-    """E2B's snapshot with ``memory: false`` (``mode="filesystem"``): the sandbox's files
-    saved as an image (``save_image``), which ``Sandbox.create(snapshot_id)`` starts
-    from. A snapshot with memory (E2B's default) is refused: here a sandbox's memory is
-    shared with its family's processes, not written out, so it cannot outlive them (a
-    checkpoint, ``POST /v1/sandboxes/{id}/checkpoints``, is that instant while it lives)."""
+    """E2B's snapshot: with memory (E2B's default), this instant of the sandbox kept
+    beyond it (engine.snapshots), which ``Sandbox.create(snapshot_id)`` forks; with
+    ``memory: false`` (``mode="filesystem"``), the sandbox's files saved as an image
+    (``save_image``), which a create starts fresh from."""
     if body.memory is not False:
-        raise errors.InvalidRequest(
-            "only filesystem snapshots are served here (mode='filesystem'): a snapshot "
-            "with memory would have to outlive the sandbox's processes; branchbox's "
-            "checkpoints keep memory while the sandbox lives")
+        cp = await engine.snapshot(sandbox_id, body.name)
+        return {"snapshotID": cp.snapshot, "names": [cp.snapshot]}
     name = body.name or f"snapshot-{os.urandom(6).hex()}"
     workdir = E2B_HOME if engine.info(sandbox_id)["image"] == "default" else None
     await engine.save_image(sandbox_id, name, workdir=workdir)
@@ -361,19 +363,25 @@ async def list_snapshots(
 ) -> list[dict]:
     """Images saved from a sandbox (of ``sandboxID``, named ``name``), oldest first, a
     page of ``limit``; the next page's token in ``X-Next-Token``."""
-    found = sorted((((image["created"], image["name"]),
-                     {"snapshotID": image["name"], "names": [image["name"]]})
-                    for image in engine.list_images()
-                    if image.get("from_sandbox") and image["kind"] == "saved"
-                    and sandbox_id in (None, image["from_sandbox"])
-                    and name in (None, image["name"])), key=lambda f: f[0])
+    made = [(image["created"], image["name"], image["from_sandbox"])
+            for image in engine.list_images()
+            if image.get("from_sandbox") and image["kind"] == "saved"]
+    made += [(cp.record.created, cp.snapshot, cp.sandbox_id) for cp in engine.snapshots()]
+    found = sorted((((created, snapshot), {"snapshotID": snapshot, "names": [snapshot]})
+                    for created, snapshot, source in made
+                    if sandbox_id in (None, source) and name in (None, snapshot)),
+                   key=lambda f: f[0])
     return _page(found, next_token, limit, response)
 
 
 @router.delete("/templates/{template_id}", response_class=Response)
 async def delete_snapshot(template_id: str, engine: EngineDep) -> Response:
-    """E2B's ``delete_snapshot`` (a template delete): remove a saved image; 404 if there
-    is none of that name, 409 while a sandbox or another image stands on it."""
+    """E2B's ``delete_snapshot`` (a template delete): end a snapshot, or remove a saved
+    image; 404 if there is none of that name, 409 while a sandbox or another image
+    stands on the image (sandboxes started from a snapshot do not need it)."""
+    if engine.is_snapshot(template_id):
+        await engine.delete_snapshot(template_id)
+        return Response(status_code=204)
     if not any(image["name"] == template_id and image["kind"] == "saved"
                for image in engine.list_images()):
         return e2b_error(404, f"no snapshot {template_id!r}")
