@@ -39,6 +39,12 @@ class EngineConfig:
         default_factory=lambda: int(os.environ.get("BRANCHBOX_DISK_MB", str(DEFAULT_DISK_MB)))
     )
     pids_max: int = 1024
+    # The most memory this daemon's sandboxes hold together, MiB (None: all of RAM but
+    # what the host keeps, runtime.cgroups.bound_all_sandboxes). Near it, the family
+    # holding the most gives way (engine.memory_guard).
+    sandboxes_memory_mb: int | None = field(default_factory=lambda: int(
+        os.environ["BRANCHBOX_SANDBOXES_MEMORY_MB"])
+        if os.environ.get("BRANCHBOX_SANDBOXES_MEMORY_MB") else None)
     # Live sandboxes a family may hold at once (a fork past it is a 429): each child is a
     # few processes and ~2.6 MiB of memory drawn from what all sandboxes share.
     max_family: int = field(

@@ -3,7 +3,8 @@
 A call whose REPL channel closes learns only that. The daemon usually knows more:
 it was stopping (the call gets 503 and may be retried against the next daemon), it
 closed the sandbox (its timeout, a close from another client), or the kernel killed
-the REPL for the sandbox's memory limit (the cgroup counts OOM kills).
+the REPL for the sandbox's memory limit, or for every sandbox's together (the cgroup
+counts OOM kills, and whether its own limit was ever reached).
 """
 
 from __future__ import annotations
@@ -25,9 +26,15 @@ def repl_ended(sb: Live, during: str, *, closed: bool, stopping: bool) -> errors
         return errors.SandboxNotFound(
             f"sandbox {sb.id} was closed during {during} (closed by a client, or its "
             "timeout ran out)")
-    oom_kills = 0
+    oom_kills, own_limit = 0, True
     with contextlib.suppress(OSError, ValueError):
         oom_kills = sb.body.cgroup.oom_kills()
+        own_limit = sb.body.cgroup.limit_reached()
+    if oom_kills and not own_limit:
+        return errors.ReplGone(
+            f"the REPL of sandbox {sb.id} was killed by the kernel during {during}: the "
+            "host's sandboxes together ran out of the memory they share (faster than "
+            "the daemon's guard could stop the family holding the most); close it")
     if oom_kills:
         return errors.ReplGone(
             f"the REPL of sandbox {sb.id} was killed by the kernel during {during}: the "

@@ -37,6 +37,7 @@ from branchbox.engine.layers import (
 )
 from branchbox.engine.live import Body, FamilyHandle, Live
 from branchbox.engine.made_ahead import MadeAhead
+from branchbox.engine.memory_guard import MemoryGuard
 from branchbox.engine.networking import SandboxNetwork
 from branchbox.engine.node import new_id, node_tag
 from branchbox.engine.pausing import Pausing, refuse_paused
@@ -59,6 +60,7 @@ from branchbox.engine.warm import WARM_CWD, WarmPool
 from branchbox.engine.workspaces import Workspaces
 from branchbox.runtime import procfs, rootfs, smaps
 from branchbox.runtime.cgroups import (
+    GroupMemory,
     Limits,
     SandboxCgroup,
     bound_all_sandboxes,
@@ -118,6 +120,7 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
         self._lineage: dict[str, tuple[str, int]] = {}
         self._checkpoints: dict[str, Checkpoint] = {}  # by id; see engine.checkpoints
         self._snapshots: dict[str, Checkpoint] = {}  # by name, also in _checkpoints
+        self.memory_guard: MemoryGuard | None = None
         self._stopped: dict[str, Stopped] = {}  # files kept, no processes (engine.stopped)
         self._generations = itertools.count(1)
         self._unfavor = None
@@ -171,6 +174,13 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
         self._reap_leftovers({s.record.instance for s in survivors.values()})
         log.info("all sandboxes of this host together: at most %(pids)s processes, "
                  "%(memory)s bytes of memory", bound_all_sandboxes())
+        limit = cfg.sandboxes_memory_mb
+        self.memory_guard = MemoryGuard(self, GroupMemory(cfg.cgroup_group),
+                                        None if limit is None else limit << 20)
+        log.info("this daemon's sandboxes together: at most %d MiB of memory (the family "
+                 "holding the most gives way from %d MiB)", self.memory_guard.bound >> 20,
+                 self.memory_guard.line >> 20)
+        self.memory_guard.start()
         log.info("inotify instances per host user: %s", widen_inotify_budget())
         self._mark_stopped(set(survivors))
         self.store = choose_backend(cfg.data_dir, cfg.storage)
@@ -210,6 +220,8 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
 
     async def stop(self) -> None:
         self._stopping = True
+        if self.memory_guard is not None:
+            await self.memory_guard.stop()
         await self._drop_warm()
         while self._background:  # expiries and teardowns under way
             await asyncio.gather(*list(self._background), return_exceptions=True)

@@ -343,6 +343,17 @@ class SandboxCgroup:
                 return int(value)
         return 0
 
+    def limit_reached(self) -> bool:
+        """Whether the sandbox's memory ever reached its own limit (an OOM kill without
+        it came from a bound above: every sandbox's together)."""
+        if self.version == 2:
+            for line in self._file("memory", "memory.events").read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "max":
+                    return int(value) > 0
+            return False
+        return int(self._file("memory", "memory.failcnt").read_text()) > 0
+
     def pids_current(self) -> int:
         return int(self._file("pids", "pids.current").read_text())
 
@@ -430,6 +441,54 @@ class ChargedRemains:
         """Delete the directory (the kernel keeps what is still charged, unnamed)."""
         with contextlib.suppress(FileNotFoundError):
             _rmdir_retry(self.path, lambda: None)
+
+
+class GroupMemory:
+    """This daemon's group in the memory hierarchy (``branchbox/<group>``, every sandbox
+    of this daemon under it): its bound, what its sandboxes hold together, an alarm."""
+
+    def __init__(self, group: str, root: Path = CGROUP_ROOT) -> None:
+        self.version = detect_version(root)
+        self.path = (root / "branchbox" / group if self.version == 2
+                     else root / "memory" / "branchbox" / group)
+
+    def bound(self, limit: int) -> int:
+        """Set the group's memory limit to ``limit`` (not above its parent's, the bound of
+        every sandbox on the host); returns the limit in force (an EBUSY, sandboxes of
+        an earlier daemon holding more, leaves the one before)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        name = "memory.max" if self.version == 2 else "memory.limit_in_bytes"
+        with contextlib.suppress(OSError):
+            (self.path / name).write_text(str(limit))
+        text = (self.path / name).read_text().strip()
+        parent = (self.path.parent / name).read_text().strip()
+        return min(1 << 62 if t == "max" else int(t) for t in (text, parent))
+
+    def usage(self) -> int:
+        """Everything charged to the group, page cache included."""
+        name = "memory.current" if self.version == 2 else "memory.usage_in_bytes"
+        return int(_read_all(f"{self.path}/{name}"))
+
+    def pinned(self) -> int:
+        """What the group holds that reclaim cannot free (see ``_pinned``)."""
+        return _pinned(self.version, self.path)
+
+    def alarm(self, threshold: int) -> int | None:
+        """An eventfd the kernel signals each time the group's usage crosses
+        ``threshold``, either way (cgroup v1's thresholds); None on v2, which has none
+        (its caller polls)."""
+        if self.version == 2:
+            return None
+        efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        usage = os.open(self.path / "memory.usage_in_bytes", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            (self.path / "cgroup.event_control").write_text(f"{efd} {usage} {threshold}")
+        except OSError:
+            os.close(efd)
+            raise
+        finally:
+            os.close(usage)  # the kernel holds the group itself, not this file
+        return efd
 
 
 def thaw_leftovers(group: str, root: Path = CGROUP_ROOT, skip: set[str] = frozenset()) -> int:

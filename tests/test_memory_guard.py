@@ -1,0 +1,57 @@
+"""The memory every sandbox shares (engine.memory_guard): near the bound, the family
+holding the most gives way, not the sandbox with the largest process anywhere."""
+
+from __future__ import annotations
+
+import contextlib
+
+from served import served_with_key
+
+from branchbox import ReplGone, Sandbox
+from branchbox.engine.config import EngineConfig
+from branchbox.runtime.cgroups import GroupMemory
+
+KEY = "memory-guard-test-key"
+GROW = """
+import time
+held = []
+for _ in range({steps}):
+    held.append(b"\\x02" * (16 << 20))  # written: resident, not just reserved
+    time.sleep(0.02)
+len(held)
+"""
+
+
+def test_the_family_holding_the_most_gives_way() -> None:
+    """A bound of 1 GiB on this daemon's sandboxes: one sandbox holds 350 MiB; another
+    family's three fork children take 256 MiB each. The kernel's killer would take the
+    largest process (the 350 MiB REPL, in the family holding less); the guard stops a
+    child of the family holding the most, says so, and the other family goes on."""
+    with served_with_key("guard", KEY, BRANCHBOX_SANDBOXES_MEMORY_MB="1024") as daemon:
+        group = GroupMemory(EngineConfig(data_dir=daemon.data_dir).cgroup_group)
+        assert (group.path / "memory.limit_in_bytes").read_text() == f"{1 << 30}\n"
+        assert "gives way from 960 MiB" in daemon.log.read_text()
+        other = Sandbox(url=daemon.url, api_key=KEY)
+        parent = Sandbox(url=daemon.url, api_key=KEY)
+        children: list[Sandbox] = []
+        try:
+            other.run_code("big = b'\\x01' * (350 << 20)")
+            children = parent.fork(3)
+            for child in children:  # the one stopped may be one that finished before
+                with contextlib.suppress(ReplGone):
+                    child.run_code(GROW.format(steps=16), timeout=60)
+            stopped = []
+            for child in children:
+                try:
+                    child.run_code("len(held)")
+                except ReplGone as exc:
+                    stopped.append(str(exc))
+            assert stopped, "no sandbox of the family holding the most was stopped"
+            assert all("memory they share" in why and "family holding the most" in why
+                       for why in stopped), stopped
+            assert other.run_code("len(big) >> 20").text == "350"
+            assert other.info()["state"] == "ready"
+        finally:
+            for sb in (*children, parent, other):
+                sb.close()
+        assert "memory guard stopped" not in daemon.log.read_text()
