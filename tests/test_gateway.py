@@ -370,3 +370,37 @@ def test_one_daemon_at_two_addresses_and_a_copied_store(cluster: Cluster) -> Non
             twin.stop()
             for sb in made:
                 sb.close()
+
+
+def test_snapshots_through_the_gateway(cluster: Cluster) -> None:
+    """A snapshot lives on its sandbox's node: a create from it goes there (once the
+    gateway has that node's report), listings are every node's, a delete finds it."""
+    gateway = cluster.gateways[0].url
+    source = Sandbox(url=gateway, api_key=USER_KEY)
+    node = cluster.node_of(source.id)
+    started: list[Sandbox] = []
+
+    def start() -> bool:
+        try:
+            started.append(Sandbox(snapshot="gw-snap", url=gateway, api_key=USER_KEY))
+        except SandboxNotFound:  # sent to another node: the report is up to 2 s old
+            return False
+        return True
+
+    try:
+        source.run_code("v = 'from the snapshot'")
+        source.snapshot("gw-snap")
+        source.close()
+        listed = Sandbox.list_snapshots(url=gateway, api_key=USER_KEY)
+        assert [(s["name"], s["sandbox_id"]) for s in listed] == [("gw-snap", source.id)]
+        assert eventually(start, within=10)
+        assert cluster.node_of(started[0].id) == node
+        assert started[0].run_code("v").text == "'from the snapshot'"
+        e2b = httpx.get(f"{gateway}/snapshots", headers={"X-API-Key": USER_KEY})
+        assert [s["snapshotID"] for s in e2b.json()] == ["gw-snap"]
+    finally:
+        for sb in started:
+            sb.close()
+        Sandbox.delete_snapshot("gw-snap", url=gateway, api_key=USER_KEY)
+    with pytest.raises(SandboxNotFound):
+        Sandbox.delete_snapshot("gw-snap", url=gateway, api_key=USER_KEY)

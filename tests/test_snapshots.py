@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from branchbox import Conflict, Sandbox
+from branchbox import Conflict, InvalidRequest, Sandbox, SandboxNotFound
 from branchbox.engine import errors
 from branchbox.sdk._portal import portal
 
@@ -118,3 +118,32 @@ def test_names_limits_and_refusals(harness, make, workspace) -> None:
     branch = make(workspace=str(workspace))
     with pytest.raises(errors.Conflict, match="workspace"):
         portal.run(engine.snapshot(branch.id))
+
+
+def test_the_sdk_and_rest_faces(harness, make) -> None:
+    """``snapshot()``, ``Sandbox(snapshot=...)``, ``list_snapshots``, ``delete_snapshot``;
+    what a snapshot fixes cannot be asked for at a create from it."""
+    transport = harness.transport
+    sb = make()
+    sb.run_code("import os; v = 'kept'; os.chdir('/srv')")
+    info = sb.snapshot("test-sdk-snap")
+    assert (info["name"], info["sandbox_id"], info["image"]) == ("test-sdk-snap", sb.id,
+                                                                 "default")
+    assert sb.snapshot()["name"].startswith("snapshot-")
+    listed = Sandbox.list_snapshots(transport=transport())
+    assert [s["name"] for s in listed][0] == "test-sdk-snap" and len(listed) == 2
+    with Sandbox(snapshot="test-sdk-snap", env={"ADDED": "1"}, timeout=60,
+                 transport=transport()) as started:
+        assert started.run_code("(v, os.getcwd(), os.environ['ADDED'])").text == \
+            "('kept', '/srv', '1')"
+        assert started.info()["parent_id"] is None
+    for fixed in ({"memory_mb": 64}, {"cwd": "/tmp"}, {"image": "python"}):
+        with pytest.raises(InvalidRequest, match="snapshot's"):
+            Sandbox(snapshot="test-sdk-snap", transport=transport(), **fixed)
+    with pytest.raises(SandboxNotFound):
+        Sandbox(snapshot="no-such-snap", transport=transport())
+    for s in listed:
+        Sandbox.delete_snapshot(s["name"], transport=transport())
+    assert Sandbox.list_snapshots(transport=transport()) == []
+    with pytest.raises(SandboxNotFound):
+        Sandbox.delete_snapshot("test-sdk-snap", transport=transport())

@@ -78,6 +78,13 @@ class Checkpoint:
                 "sandbox_id": self.sandbox_id, "created": self.record.created,
                 "resources": resources}
 
+    def snapshot_info(self) -> dict:
+        """What a client sees of a snapshot: its name, where it came from, what holds it."""
+        info = self.info()
+        return {"name": self.snapshot, "sandbox_id": info["sandbox_id"],
+                "image": self.record.image, "created": info["created"],
+                "resources": info["resources"]}
+
 
 def snapshot_name(record: SandboxRecord) -> str | None:
     """The name of the snapshot ``record`` is, or None (a checkpoint or a sandbox)."""

@@ -45,6 +45,7 @@ from branchbox.gateway.nodes import REFRESH_SECONDS, Node, Nodes, NoNode, Unrout
 from branchbox.gateway.routing import (
     CREATES,
     LISTINGS,
+    REMOVALS,
     Misaddressed,
     image_of_create,
     sandbox_named,
@@ -156,7 +157,7 @@ async def _http(request: Request) -> Response:
         return await fanout.listing(request, nodes, state.client, credentials)
     if method == "GET" and path == "/v1/events":
         return await fanout.events(request, nodes, state.streams, credentials)
-    if method == "DELETE" and path.startswith("/v1/images/"):
+    if method == "DELETE" and path.startswith(REMOVALS):
         return await _everywhere(request, nodes, state.client, credentials)
     # An image build, the API's schema, a route no node has: one node answers for all.
     return await _to_one(request, nodes, state.client, credentials,
@@ -212,8 +213,8 @@ async def _create(request: Request, nodes: Nodes, client: httpx.AsyncClient,
 
 async def _everywhere(request: Request, nodes: Nodes, client: httpx.AsyncClient,
                       credentials: Credentials) -> Response:
-    """An image's removal on every node that is up: each only knows its own images, so
-    404s are nodes without it; any other refusal (in use: 409) is the answer."""
+    """An image's or a snapshot's removal on every node that is up: each only knows its
+    own, so 404s are nodes without it; any other refusal (in use: 409) is the answer."""
     headers = credentials.upstream(request.headers.raw, keyed=True)
     path = (request.scope.get("raw_path") or request.url.path.encode()).decode("latin-1")
     answers = await asyncio.gather(*(
@@ -222,7 +223,7 @@ async def _everywhere(request: Request, nodes: Nodes, client: httpx.AsyncClient,
     replies = [a for a in answers if isinstance(a, httpx.Response)]
     refusals = [r for r in replies if r.status_code not in (204, 404)]
     if len(replies) < len(answers):
-        return unavailable("not every node could be asked to remove the image; retry")
+        return unavailable("not every node could be asked to remove it; retry")
     if not refusals and any(r.status_code == 204 for r in replies):
         return Response(status_code=204)
     if not replies:

@@ -72,7 +72,7 @@ async def listing(request: Request, nodes: Nodes, client: httpx.AsyncClient,
     """The merged answer of a GET in ``routing.LISTINGS``."""
     path = request.url.path
     params = dict(request.query_params)
-    paged = path == "/v2/sandboxes"
+    paged = path in ("/v2/sandboxes", "/snapshots")  # E2B's paged lists
     if paged:
         try:
             offset = _offset(params.pop("nextToken", None))
@@ -94,6 +94,8 @@ async def listing(request: Request, nodes: Nodes, client: httpx.AsyncClient,
     merge: Callable[[list[tuple[Node, object]]], object] = {
         "/v1/sandboxes": lambda a: {"sandboxes": [s for _, r in a for s in r["sandboxes"]]},
         "/v1/images": _images,
+        "/v1/snapshots": lambda a: {"snapshots": sorted(
+            (s for _, r in a for s in r["snapshots"]), key=lambda s: s["created"])},
     }.get(path, _rows)
     try:
         merged = merge(answers)

@@ -21,8 +21,12 @@ _IN_PATH = re.compile(r"(?:^|/)(sbx_[0-9a-f]{32})(?:/|$)")
 
 CREATES = {("POST", "/v1/sandboxes"), ("POST", "/sandboxes"), ("POST", "/v2/sandboxes")}
 """Routes that make a sandbox: the native API's and E2B's control plane's."""
-LISTINGS = {"/v1/sandboxes", "/sandboxes", "/v2/sandboxes", "/v1/images"}
+LISTINGS = {"/v1/sandboxes", "/sandboxes", "/v2/sandboxes", "/v1/images", "/v1/snapshots",
+            "/snapshots"}
 """GET routes whose answer is every node's, merged."""
+REMOVALS = ("/v1/images/", "/v1/snapshots/", "/templates/")
+"""DELETE routes of a name only one node may have (an image, a snapshot, E2B's template
+for either): asked of every node."""
 
 
 class Misaddressed(ValueError):
@@ -45,12 +49,12 @@ def sandbox_named(path: str, headers: Mapping[str, str]) -> str | None:
 
 
 def image_of_create(path: str, body: object) -> str | None:
-    """The image a create's JSON body asks for (Podflare calls it a template, E2B a
-    templateID); None for the default (every node has it)."""
+    """The image (or snapshot) a create's JSON body asks for (Podflare calls it a
+    template, E2B a templateID); None for the default (every node has it)."""
     if not isinstance(body, dict):
         return None
-    if path == "/v1/sandboxes":
-        image = body.get("image", body.get("template"))
+    if path == "/v1/sandboxes":  # a snapshot is on one node, as a saved image is
+        image = body.get("snapshot") or body.get("image", body.get("template"))
     else:
         image = body.get("templateID")
         image = None if image in DEFAULT_TEMPLATES else image

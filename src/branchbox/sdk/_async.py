@@ -48,6 +48,7 @@ class AsyncSandbox:
                  network: dict[str, builtins.list[str]] | None = None,
                  egress: bool | None = None,
                  memory_mb: int | None = None, disk_mb: int | None = None,
+                 snapshot: str | None = None,
                  url: str | None = None,
                  api_key: str | None = None,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
@@ -61,13 +62,16 @@ class AsyncSandbox:
         the server's default, off unless ``branchbox serve --internet``); ``network`` is
         ``{"allow_out": [...], "deny_out": [...]}`` of CIDRs or host names (allow wins);
         fork children inherit the policy;
+        ``snapshot`` starts it from that snapshot's instant (``snapshot()``): its memory,
+        files, image, cwd and limits, with ``env`` added (only env, timeout and the
+        network policy may be given with it);
         ``transport`` is handed to httpx (tests pass ``httpx.ASGITransport(app)``).
         """
         self._spec: dict[str, Any] | None = _given(
             image=image, env=env, cwd=cwd, timeout=timeout,
             internet=internet if internet is not None else egress, network=network,
             memory_mb=memory_mb,
-            disk_mb=disk_mb,
+            disk_mb=disk_mb, snapshot=snapshot,
             workspace=None if workspace is None else str(Path(workspace).absolute()))
         self._bind(Api(url, api_key, transport), None, None, "new")
 
@@ -107,12 +111,8 @@ class AsyncSandbox:
     async def list_all(cls, *, url: str | None = None, api_key: str | None = None,
                        transport: httpx.AsyncBaseTransport | None = None) -> builtins.list[dict]:
         """The info of every live sandbox on the server."""
-        api = Api(url, api_key, transport)
-        try:
-            await api.ready()
-            return (await api.call("GET", "/v1/sandboxes"))["sandboxes"]
-        finally:
-            await api.release()
+        return (await _server_call(url, api_key, transport, "GET", "/v1/sandboxes"))[
+            "sandboxes"]
 
     async def start(self) -> AsyncSandbox:
         """Create the sandbox on the server (``async with`` does this); for one attached
@@ -301,23 +301,34 @@ class AsyncSandbox:
                           transport: httpx.AsyncBaseTransport | None = None
                           ) -> builtins.list[dict]:
         """Every image on the server (built-in and saved), with the sandboxes using it."""
-        api = Api(url, api_key, transport)
-        try:
-            await api.ready()
-            return (await api.call("GET", "/v1/images"))["images"]
-        finally:
-            await api.release()
+        return (await _server_call(url, api_key, transport, "GET", "/v1/images"))["images"]
 
     @staticmethod
     async def remove_image(name: str, *, url: str | None = None, api_key: str | None = None,
                            transport: httpx.AsyncBaseTransport | None = None) -> None:
         """Delete saved image ``name`` (``Conflict`` while a sandbox or image uses it)."""
-        api = Api(url, api_key, transport)
-        try:
-            await api.ready()
-            await api.call("DELETE", f"/v1/images/{name}")
-        finally:
-            await api.release()
+        await _server_call(url, api_key, transport, "DELETE", f"/v1/images/{name}")
+
+    async def snapshot(self, name: str | None = None) -> dict:
+        """This instant of the sandbox (memory, files, env, cwd), kept after the sandbox
+        closes as snapshot ``name`` (made up if None; an older one of that name is
+        replaced): ``AsyncSandbox(snapshot=name)`` starts from it, in milliseconds.
+        Returns the snapshot's info. Snapshots last while the server does."""
+        return await self._api.call("POST", self._url("/snapshots"), json=_given(name=name))
+
+    @staticmethod
+    async def list_snapshots(*, url: str | None = None, api_key: str | None = None,
+                             transport: httpx.AsyncBaseTransport | None = None
+                             ) -> builtins.list[dict]:
+        """Every snapshot on the server, oldest first."""
+        return (await _server_call(url, api_key, transport, "GET", "/v1/snapshots"))[
+            "snapshots"]
+
+    @staticmethod
+    async def delete_snapshot(name: str, *, url: str | None = None, api_key: str | None = None,
+                              transport: httpx.AsyncBaseTransport | None = None) -> None:
+        """End snapshot ``name`` (the sandboxes started from it go on)."""
+        await _server_call(url, api_key, transport, "DELETE", f"/v1/snapshots/{name}")
 
     async def info(self) -> dict:
         """State, parent, children, created time, address, resource use."""
@@ -374,6 +385,19 @@ class AsyncCommandHandle:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} pid={self.pid} in {self.sandbox._id}>"
+
+
+async def _server_call(url: str | None, api_key: str | None,
+                       transport: httpx.AsyncBaseTransport | None, method: str,
+                       path: str) -> Any:
+    """One call that names no sandbox (a listing, an image's or a snapshot's removal), on
+    a connection of its own."""
+    api = Api(url, api_key, transport)
+    try:
+        await api.ready()
+        return await api.call(method, path)
+    finally:
+        await api.release()
 
 
 def _given(**fields: Any) -> dict[str, Any]:

@@ -35,13 +35,15 @@ class Sandbox:
                  network: dict[str, builtins.list[str]] | None = None,
                  egress: bool | None = None,
                  memory_mb: int | None = None, disk_mb: int | None = None,
+                 snapshot: str | None = None,
                  url: str | None = None,
                  api_key: str | None = None,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         """Create the sandbox (starting the local daemon if needed); see ``AsyncSandbox``."""
         core = AsyncSandbox(image, workspace=workspace, env=env, cwd=cwd, timeout=timeout,
                             internet=internet, network=network,
-                            egress=egress, memory_mb=memory_mb, disk_mb=disk_mb, url=url,
+                            egress=egress, memory_mb=memory_mb, disk_mb=disk_mb,
+                            snapshot=snapshot, url=url,
                             api_key=api_key,
                             transport=transport)
         self._bind(portal.run(core.start()))
@@ -112,6 +114,23 @@ class Sandbox:
         """Delete saved image ``name`` (``Conflict`` while a sandbox or image uses it)."""
         portal.run(AsyncSandbox.remove_image(name, url=url, api_key=api_key,
                                              transport=transport))
+
+    snapshot = blocking(AsyncSandbox.snapshot)
+
+    @staticmethod
+    def list_snapshots(*, url: str | None = None, api_key: str | None = None,
+                       transport: httpx.AsyncBaseTransport | None = None) -> builtins.list[dict]:
+        """Every snapshot on the server, oldest first."""
+        return portal.run(AsyncSandbox.list_snapshots(url=url, api_key=api_key,
+                                                      transport=transport))
+
+    @staticmethod
+    def delete_snapshot(name: str, *, url: str | None = None, api_key: str | None = None,
+                        transport: httpx.AsyncBaseTransport | None = None) -> None:
+        """End snapshot ``name`` (the sandboxes started from it go on)."""
+        portal.run(AsyncSandbox.delete_snapshot(name, url=url, api_key=api_key,
+                                                transport=transport))
+
     info = blocking(AsyncSandbox.info)
     close = blocking(AsyncSandbox.close)
     detach = blocking(AsyncSandbox.detach)

@@ -26,6 +26,7 @@ from branchbox.server import (
     node,
     ports,
     sandboxes,
+    snapshots,
 )
 from branchbox.server.deps import require_api_key
 from branchbox.server.disconnect import DisconnectWatch
@@ -82,7 +83,7 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] = (),
         """``ok`` once the engine has started (open to all, even with API keys)."""
         return "ok"
 
-    for module in (sandboxes, execution, files, images, ports, events, node):
+    for module in (sandboxes, execution, files, images, snapshots, ports, events, node):
         app.include_router(module.router, dependencies=[Depends(require_api_key)])
     app.include_router(instants.router, dependencies=[Depends(require_api_key)])
     app.include_router(ports.ws_router)  # checks the same key itself

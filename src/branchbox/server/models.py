@@ -121,6 +121,9 @@ class CreateSandbox(_Body):
     # when disk_mb is not given; and nothing is frozen into a "space" on idle.
     rootfs_gb: int | None = None
     persistent: bool | None = None
+    # Start from this snapshot's instant (engine.snapshots): its image, cwd and limits;
+    # env, timeout and the network policy may be given.
+    snapshot: str | None = Field(None, min_length=1, max_length=64)
 
 
 class RunCode(_Body):
@@ -158,6 +161,10 @@ class Fork(_Body):
 
 class CreateCheckpoint(_Body):
     name: str | None = None  # a label; the engine checks its length
+
+
+class CreateSnapshot(_Body):
+    name: str | None = None  # an image name (the engine checks it); None: one is made
 
 
 # The bodies of calls that HTTP carries in their path, as the calls WebSocket takes them

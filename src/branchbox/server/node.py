@@ -35,7 +35,8 @@ def _meminfo() -> dict[str, int]:
 @router.get("/node")
 async def node(engine: EngineDep) -> dict:
     """This node's tag and name, its live sandboxes, memory and CPU load, and the images
-    only it has (saved or built here; the built-in ones every node makes on demand)."""
+    only it has (saved or built here; the built-in ones every node makes on demand) and
+    its snapshots (a create names either the same way)."""
     memory = _meminfo()
     return {
         "tag": engine.node,
@@ -46,6 +47,7 @@ async def node(engine: EngineDep) -> dict:
         "memory_available": memory.get("MemAvailable", 0),
         "cpus": os.cpu_count() or 1,
         "load": os.getloadavg()[0],
-        "images": sorted(i["name"] for i in engine.list_images()
-                         if i["kind"] not in ("built-in", "host")),
+        "images": sorted([*(i["name"] for i in engine.list_images()
+                            if i["kind"] not in ("built-in", "host")),
+                          *(cp.snapshot for cp in engine.snapshots())]),
     }

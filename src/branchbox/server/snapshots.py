@@ -1,0 +1,37 @@
+"""Snapshots over REST (engine.snapshots): a sandbox's instant kept beyond it under a
+name, for new sandboxes to start from (``POST /v1/sandboxes`` with ``snapshot``).
+
+Creating one names its sandbox in the path (routable by its id); listing and deleting
+name none: a gateway asks every node.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Body
+
+from branchbox.server.deps import NO_CONTENT, EngineDep
+from branchbox.server.models import CreateSnapshot
+
+router = APIRouter(tags=["snapshots"])
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/snapshots", status_code=201)
+async def create_snapshot(sandbox_id: str, engine: EngineDep,
+                          body: Annotated[CreateSnapshot, Body(default_factory=CreateSnapshot)]
+                          ) -> dict:
+    """This instant of the sandbox (memory, files, env, cwd) kept as snapshot ``name``
+    (made up if not given; an older snapshot of that name is replaced)."""
+    return (await engine.snapshot(sandbox_id, body.name)).snapshot_info()
+
+
+@router.get("/v1/snapshots")
+async def list_snapshots(engine: EngineDep) -> dict:
+    return {"snapshots": [cp.snapshot_info() for cp in engine.snapshots()]}
+
+
+@router.delete("/v1/snapshots/{name}", **NO_CONTENT)
+async def delete_snapshot(name: str, engine: EngineDep) -> None:
+    """End the snapshot (sandboxes started from it go on)."""
+    await engine.delete_snapshot(name)
