@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 from served import served_with_key
 
 from branchbox import ReplGone, Sandbox
@@ -55,3 +56,15 @@ def test_the_family_holding_the_most_gives_way() -> None:
             for sb in (*children, parent, other):
                 sb.close()
         assert "memory guard stopped" not in daemon.log.read_text()
+
+
+def test_a_repl_killed_at_the_shared_bound_is_not_told_its_own_limit() -> None:
+    """One allocation past the bound of every sandbox (512 MiB here), far below the
+    sandbox's own limit: the guard or, faster than it, the kernel stops the REPL, and
+    either way the error names the memory sandboxes share, not ``memory_mb``."""
+    with served_with_key("guard-bound", KEY, BRANCHBOX_SANDBOXES_MEMORY_MB="512") as daemon, \
+            Sandbox(url=daemon.url, api_key=KEY, memory_mb=4096) as sb:
+        with pytest.raises(ReplGone) as caught:
+            sb.run_code("big = b'\\x03' * (700 << 20)")
+        assert "memory they share" in str(caught.value)
+        assert "memory_mb" not in str(caught.value)

@@ -148,6 +148,24 @@ def test_fifos_and_sockets_are_refused_and_reported_the_rest_commits(
     assert result["stripped"] == []
 
 
+def test_symlinks_pointing_out_of_the_workspace_are_listed(harness, workspace: Path) -> None:
+    """Symlinks are committed as they are (nothing follows them), and those whose target
+    is absolute or climbs past the workspace's root are listed for the host's user to
+    look at; links that stay inside are not."""
+    with harness.sandbox(workspace=str(workspace), cwd=str(workspace)) as sb:
+        done = sb.exec(
+            "mkdir -p sub/deeper && ln -s /etc/shadow abs && ln -s ../../x sub/up && "
+            "ln -s ../inside sub/stays && ln -s sub alias && "
+            "ln -s ../../../y sub/deeper/up3 && ln -s ./a/../../z dotted"
+        )
+        assert done.exit_code == 0, done.stderr
+        result = sb.commit()
+    assert os.readlink(workspace / "abs") == "/etc/shadow"  # committed, not followed
+    out = {entry["path"]: entry["target"] for entry in result["links_out"]}
+    assert out == {"abs": "/etc/shadow", "sub/up": "../../x",
+                   "sub/deeper/up3": "../../../y", "dotted": "./a/../../z"}
+
+
 def test_a_changed_file_keeps_its_host_owner_a_new_one_takes_the_directorys(
     harness, workspace: Path
 ) -> None:

@@ -11,6 +11,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from branchbox.engine import errors
 from branchbox.engine.family_room import FamilyRoom
 from branchbox.engine.layers import LayerStack
 from branchbox.engine.metrics import CpuMark
@@ -39,6 +40,7 @@ class Body:
     channel: AgentChannel | Dormant | None = None
     repl_host: int | None = None  # the REPL's host pid, once found (a fork, its network)
     stopped: str | None = None  # why the daemon killed its processes (engine.run_guard)
+    stopped_as: type[errors.EngineError] = errors.SandboxTimeout  # what a call then gets
     killing: asyncio.Future | None = None  # that kill, until every process is gone
     held_frozen: bool = False  # paused: the thaw guard leaves it frozen
 

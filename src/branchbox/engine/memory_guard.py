@@ -29,6 +29,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from branchbox.engine import errors
 from branchbox.engine.live import Body, Live
 from branchbox.engine.run_guard import hard_stop, killed
 from branchbox.runtime.cgroups import ChargedRemains, GroupMemory
@@ -146,7 +147,8 @@ class MemoryGuard:
             f"MiB of the {self.bound // MIB:,} MiB of memory they share, and sandbox "
             f"{victim.id} held the most ({family.victim_held // MIB:,} MiB) of the family "
             f"holding the most ({family.held // MIB:,} MiB, {len(family.sandboxes)} "
-            "sandbox(es)): it was stopped so that every other family goes on"))
+            "sandbox(es)): it was stopped so that every other family goes on"),
+            errors.ReplGone)
         await killed(victim.body)
 
     def _families(self) -> dict[str, _Family]:

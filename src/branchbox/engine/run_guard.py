@@ -265,12 +265,13 @@ class RunDeadline:
             handle.cancel()
 
 
-async def hard_stop(body: Body, reason: str) -> None:
+async def hard_stop(body: Body, reason: str,
+                    error: type[errors.EngineError] = errors.SandboxTimeout) -> None:
     """SIGKILL everything in ``body``'s cgroup; its channel then closes and the calls on
-    it end (``body.stopped`` says why)."""
+    it end with ``error`` (``body.stopped`` says why)."""
     if body.channel is None or body.channel.closed.is_set():
         return
-    body.stopped = stop_message(reason)
+    body.stopped, body.stopped_as = stop_message(reason), error
     log.warning("stopping sandbox body %s: %s", body.key, reason)
     body.killing = asyncio.ensure_future(asyncio.to_thread(body.cgroup.kill))
     await body.killing

@@ -876,7 +876,7 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
         except ChannelClosed:
             if sb.body.stopped:
                 await killed(sb.body)
-                raise errors.SandboxTimeout(f"sandbox {sandbox_id}: {sb.body.stopped}") from None
+                raise sb.body.stopped_as(f"sandbox {sandbox_id}: {sb.body.stopped}") from None
             raise self._repl_ended(sb, f"{op!r}") from None
         finally:
             if deadline is not None:

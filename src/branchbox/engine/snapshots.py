@@ -60,6 +60,11 @@ class Snapshots:
                 "a sandbox with a workspace cannot be snapshotted: the sandboxes started "
                 "from it would commit into its host directory")
         cp = await self.checkpoint(sandbox_id, snapshot=name)
+        try:  # again: a save or another snapshot may have taken the name or the room
+            self._check_snapshot_name(name)
+        except errors.EngineError:
+            await self._drop_snapshot(cp)
+            raise
         old = self._snapshots.get(name)
         self._snapshots[name] = cp
         if old is not None:

@@ -69,7 +69,9 @@ class Workspaces:
         and what the host was protected from: ``stripped`` (``[{"path", "bits":
         ["setuid"|"setgid", ...]}]``: committed without those bits) and ``refused``
         (``[{"path", "kind": "fifo"|"socket"|"char device"|"block device"}]``: not
-        created; the host keeps what it had there). New entries are owned by the
+        created; the host keeps what it had there), and what to look at: ``links_out``
+        (``[{"path", "target"}]``: symlinks created whose target is absolute or climbs
+        out of the workspace). New entries are owned by the
         workspace directory's owner, replaced ones keep the host owner they had.
         """
         sb = self.get(sandbox_id)
@@ -121,6 +123,8 @@ class Workspaces:
                 "version": current + 1,
                 "stripped": [{"path": s.path, "bits": _bit_names(s.bits)} for s in done.stripped],
                 "refused": [{"path": r.path, "kind": r.kind} for r in done.refused],
+                "links_out": [{"path": link.path, "target": link.target}
+                              for link in done.links_out],
             }
         finally:
             sb.lock.release()

@@ -345,14 +345,17 @@ class SandboxCgroup:
 
     def limit_reached(self) -> bool:
         """Whether the sandbox's memory ever reached its own limit (an OOM kill without
-        it came from a bound above: every sandbox's together)."""
+        it came from a bound above: every sandbox's together). On v1 its high-water
+        mark within a large page of the limit: v1 counts no failed charge once a swap
+        limit is set (``memory.failcnt`` stays 0 through an OOM kill)."""
         if self.version == 2:
             for line in self._file("memory", "memory.events").read_text().splitlines():
                 key, _, value = line.partition(" ")
                 if key == "max":
                     return int(value) > 0
             return False
-        return int(self._file("memory", "memory.failcnt").read_text()) > 0
+        peak = int(self._file("memory", "memory.max_usage_in_bytes").read_text())
+        return peak >= self.memory_limit() - (2 << 20)
 
     def pids_current(self) -> int:
         return int(self._file("pids", "pids.current").read_text())

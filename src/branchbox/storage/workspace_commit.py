@@ -84,7 +84,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 from branchbox.storage import journal
-from branchbox.storage.beneath import getxattr_beneath, lstat_beneath, open_beneath
+from branchbox.storage.beneath import (
+    getxattr_beneath,
+    lstat_beneath,
+    open_beneath,
+    readlink_beneath,
+)
 from branchbox.storage.journal import FAULT_ENV, FAULT_POINTS, Staged, Step, recover
 from branchbox.storage.overlay import OPAQUE, is_whiteout
 
@@ -170,18 +175,46 @@ class Changes:
         return tuple(op for op in self.ops if op.kind != "delete")
 
 
+class LinkOut(NamedTuple):
+    """A symlink committed whose target leaves the workspace (absolute, or up past its
+    root): harmless to the daemon, which follows none, but a host tool writing through
+    it later writes where it points."""
+
+    path: str
+    target: str
+
+
 class CommitResult(NamedTuple):
     """What a commit changed in the host: relative paths, and bytes of file content written.
 
     ``stripped``: entries created without setuid/setgid bits the sandbox set;
     ``refused``: special files that were not created (both also reported
-    when nothing else changed).
+    when nothing else changed); ``links_out``: symlinks created that point out of
+    the workspace.
     """
 
     changed: list[str]
     bytes: int
     stripped: list[Stripped] = []
     refused: list[Refused] = []
+    links_out: list[LinkOut] = []
+
+
+def leaves(path: str, target: str) -> bool:
+    """Whether a symlink at ``path`` (relative to the workspace) to ``target`` points out
+    of the workspace, read as the kernel would from there, without looking at the
+    files (a link to a link inside is judged by its own target when it is listed)."""
+    if target.startswith("/"):
+        return True
+    depth = len(path.split("/")) - 1  # directories between the root and the link
+    for part in target.split("/"):
+        if part == "..":
+            depth -= 1
+            if depth < 0:
+                return True
+        elif part not in ("", "."):
+            depth += 1
+    return False
 
 
 def _special_kind(mode: int) -> str:
@@ -404,6 +437,9 @@ def commit(
         refused = list(delta.refused)
         if not plan.steps:
             return CommitResult([], 0, plan.stripped, refused)
+        links_out = [LinkOut(op.path, target) for op in delta.creations
+                     if op.kind == "symlink"
+                     and leaves(op.path, target := readlink_beneath(fds[op.layer], op.path))]
         written = journal.run(host, host_fd, plan.steps, plan.staged, fds, staging_parent)
     changed = list(dict.fromkeys(step.path for step in plan.steps))
-    return CommitResult(changed, written, plan.stripped, refused)
+    return CommitResult(changed, written, plan.stripped, refused, links_out)
