@@ -1,5 +1,5 @@
-"""Checkpoints of a big parent: checkpoint and restore through the SDK, and what each
-checkpoint adds to the family's memory.
+"""Checkpoints of a big parent: checkpoint and restore through the SDK, what each
+checkpoint adds to the family's memory, and a snapshot of it that sandboxes start from.
 
 Targets (issue 13): checkpoint and restore p50 ≤ 10 ms for a parent holding 1 GiB,
 family PSS growth ≤ 1 MiB per checkpoint. A checkpoint is a fork of the REPL that
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 
+from branchbox import Sandbox
 from branchbox.bench.floor import ballast_code
 from branchbox.bench.measure import (
     Context,
@@ -56,6 +57,20 @@ def run(ctx: Context) -> list[Row]:
             back.append(1000 * (time.perf_counter() - t0))
         if parent.run_code("step").text != str(rounds - 1):
             raise RuntimeError("restore did not bring the checkpoint's state back")
+        ctx.step(f"a snapshot, {rounds} sandboxes started from it")
+        t0 = time.perf_counter()
+        name = parent.snapshot()["name"]
+        kept = [1000 * (time.perf_counter() - t0)]
+        started = []
+        try:
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                with ctx.sandbox(snapshot=name) as fresh:
+                    started.append(1000 * (time.perf_counter() - t0))
+                    if fresh.run_code("step").text != str(rounds - 1):
+                        raise RuntimeError("a sandbox started from a snapshot lacks its state")
+        finally:
+            Sandbox.delete_snapshot(name, url=ctx.url)
     label = f"parent holding {megabytes} MiB"
     return [
         Row(f"checkpoint, {label}", took, note="target p50 ≤ 10 ms at 1 GiB"),
@@ -66,4 +81,7 @@ def run(ctx: Context) -> list[Row]:
             note="its own pages; pages the parent copied are the parent's"),
         Row(f"page tables of a checkpoint's process, {label}", tables, "MiB",
             note="a copy of the REPL's, charged to the sandbox's cgroup; not in PSS"),
+        Row(f"snapshot, {label}", kept, note="a checkpoint kept beyond its sandbox"),
+        Row(f"create from that snapshot, {label}", started,
+            note="Sandbox(snapshot=...): a fork of it, a new sandbox"),
     ]

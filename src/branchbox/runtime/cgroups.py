@@ -459,6 +459,10 @@ class GroupMemory:
         """Set the group's memory limit to ``limit`` (not above its parent's, the bound of
         every sandbox on the host); returns the limit in force (an EBUSY, sandboxes of
         an earlier daemon holding more, leaves the one before)."""
+        if self.version == 2:  # controllers are handed down a level at a time
+            subtree = self.path.parent / "cgroup.subtree_control"
+            if "memory" not in subtree.read_text():
+                subtree.write_text("+memory +pids +cpu")
         self.path.mkdir(parents=True, exist_ok=True)
         name = "memory.max" if self.version == 2 else "memory.limit_in_bytes"
         with contextlib.suppress(OSError):
