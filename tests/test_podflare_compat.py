@@ -10,6 +10,7 @@ image (built on first use).
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -226,6 +227,49 @@ def test_timeouts_close_the_sandbox_and_its_children(server: Daemon) -> None:
             assert eventually(lambda sb=sb: not alive(server, sb.id))
     finally:
         kept_busy.close()
+
+
+def frozen_event(server: Daemon, sandbox_id: str) -> dict:
+    """The ``frozen`` event of ``sandbox_id`` (Podflare's ``sandbox.frozen`` webhook), read
+    from the event stream's start."""
+    with httpx.stream("GET", f"{server.url}/v1/events?since=0", timeout=httpx.Timeout(
+            30, read=30), headers={"Authorization": f"Bearer {API_KEY}"}) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: "):
+                event = json.loads(line[6:])
+                if event["type"] == "frozen" and event["sandbox"] == sandbox_id:
+                    return event
+    raise AssertionError("no frozen event")
+
+
+def test_a_persistent_sandbox_is_frozen_into_a_space_at_its_idle_timeout(
+        server: Daemon) -> None:
+    """``persistent=True``: at its idle timeout the sandbox is kept as a space (memory and
+    files) and closed; the ``frozen`` event names the space; ``Sandbox.resume`` starts a
+    new sandbox from it and uses it up; a fork child of it is only closed."""
+    sb = podflare.Sandbox(host=server.url, api_key=API_KEY, persistent=True,
+                          idle_timeout_seconds=1)
+    sb.run_code("state = {'step': 41}; open('/root/kept.txt', 'w').write('on disk')")
+    child = sb.fork(1)[0]
+    event = frozen_event(server, sb.id)
+    space = event["space_id"]
+    assert space.startswith("space-") and "error" not in event
+    assert eventually(lambda: not alive(server, sb.id) and not alive(server, child.id))
+    resumed = podflare.Sandbox.resume(space, host=server.url, api_key=API_KEY,
+                                      timeout_seconds=60)
+    try:
+        assert resumed.id != sb.id
+        out = resumed.run_code("state['step'] += 1; print(state['step'], "
+                               "open('/root/kept.txt').read())")
+        assert out.stdout.strip() == "42 on disk"
+        with pytest.raises(httpx.HTTPStatusError) as used:
+            podflare.Sandbox.resume(space, host=server.url, api_key=API_KEY)
+        assert used.value.response.status_code == 404
+    finally:
+        resumed.close()
+    with server.client() as http:
+        assert http.delete(f"/v1/spaces/{space}").status_code == 404  # used up
+        assert http.post("/v1/spaces/not-a-space/resume").status_code == 404
 
 
 # ------------------------------------------------------------------------------ API keys

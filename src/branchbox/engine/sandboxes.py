@@ -23,6 +23,7 @@ from branchbox.engine import answers, errors, listing, metrics
 from branchbox.engine.branching import Branching
 from branchbox.engine.checkpoints import Checkpoint, Checkpoints
 from branchbox.engine.config import EngineConfig
+from branchbox.engine.create_args import check_env, check_lifetimes
 from branchbox.engine.events import EventBus
 from branchbox.engine.fair_pool import FairPool
 from branchbox.engine.family_room import Remains, VolumeRemains
@@ -408,8 +409,11 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
         disk_mb: int | None = None,
         internet: bool | None = None,
         network: dict | None = None,
+        persistent: bool = False,
     ) -> Live:
-        _check_env(env)
+        """A new sandbox of ``image``. ``persistent`` (Podflare's): at its idle timeout
+        it is kept as a space (engine.snapshots) before it closes."""
+        check_env(env)
         policy = await self.net.resolve(self.net.policy_of(internet, network))
         host = self._workspace_host(workspace) if workspace is not None else None
         image_env, workdir = self.image_defaults(image)  # a built image's ENV and WORKDIR
@@ -419,13 +423,13 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
             raise errors.InvalidRequest(f"cwd must be an absolute path without '..': {cwd!r}")
         if memory_mb is not None and not 16 <= memory_mb <= 1 << 20:
             raise errors.InvalidRequest("memory_mb must be between 16 and 1048576")
-        for name, value in (("timeout", timeout), ("idle_timeout", idle_timeout)):
-            if value is not None and not 0 < value <= 7 * 86400:
-                raise errors.InvalidRequest(f"{name} must be between 0 and 604800 seconds")
+        check_lifetimes(timeout=timeout, idle_timeout=idle_timeout)
         self._check_disk_mb(disk_mb)
         meta = {"cwd": cwd, "memory_mb": memory_mb, "timeout": timeout, "disk_mb": disk_mb,
                 "idle_timeout": idle_timeout,  # fork children inherit it
                 "workspace": str(host) if host else None, "network": policy}
+        if persistent:
+            meta["persistent"] = True
         # A warm sandbox's interpreter started with the defaults: it serves a create whose
         # env leaves what an interpreter reads at its start alone (PYTHONPATH, say).
         warm = start_variables({**DEFAULT_ENV, **(env or {})}) == start_variables(DEFAULT_ENV)
@@ -702,7 +706,7 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
             if sb.lock.locked() or sb.record.state == "paused":
                 sb.last_used = now
             if now - sb.last_used >= idle:
-                self._expire(sb.id)
+                self._idle_out(sb)
             else:
                 loop.call_later(sb.last_used + idle - now, check)
 
@@ -974,11 +978,6 @@ def _raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-ENV_MAX = 128 * 1024
-"""Bytes of a sandbox's environment (``KEY=value`` strings): one exec's arguments and
-environment share the kernel's limit, a quarter of the stack limit (2 MiB at 8 MiB)."""
-
-
 def _usage(body: Body) -> dict:
     """What ``body`` uses now (files read only: safe off the event loop); {} for a body
     whose cgroup went away meanwhile (closed)."""
@@ -995,25 +994,3 @@ def _usage(body: Body) -> dict:
         }
     except (OSError, ValueError, IndexError):
         return {}
-
-
-def _check_env(env: dict | None) -> None:
-    if env is None:
-        return
-    if not isinstance(env, dict):
-        raise errors.InvalidRequest("env must be an object of strings")
-    for key, value in env.items():
-        if (
-            not isinstance(key, str)
-            or not isinstance(value, str)
-            or not key
-            or "=" in key
-            or "\0" in key
-            or "\0" in value
-        ):
-            raise errors.InvalidRequest(f"invalid environment variable {key!r}")
-    size = sum(len(k.encode()) + len(v.encode()) + 2 for k, v in env.items())
-    if size > ENV_MAX:
-        raise errors.InvalidRequest(
-            f"env is {size} bytes; at most {ENV_MAX} (every command of the sandbox is "
-            "started with it, and the kernel limits what an exec takes)")

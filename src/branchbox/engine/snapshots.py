@@ -14,6 +14,10 @@ frozen layer, so starting from it takes a fork's milliseconds, and a snapshot la
 while the daemon does (a stop with ``--keep`` keeps them, as it keeps sandboxes; a
 stop without ends them).
 
+Podflare's spaces are snapshots too: a sandbox created ``persistent`` is kept as one
+(``space-...``) when its idle timeout runs out, then closed, and the ``frozen`` event
+names it; a resume starts a sandbox from it and deletes it.
+
 Names share E2B's template namespace with images: a name is an image name, and taking
 one that a saved image has is a conflict. Snapshotting under a snapshot's name replaces
 it (E2B assigns a new build to the template). At most ``EngineConfig.max_snapshots``
@@ -22,15 +26,24 @@ exist at once; each also counts as its family's checkpoint and member.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import secrets
 
 from branchbox.agent.protocol import ChannelClosed
 from branchbox.engine import errors
 from branchbox.engine.checkpoints import Checkpoint
+from branchbox.engine.create_args import check_env, check_lifetimes
 from branchbox.engine.live import Live
 from branchbox.engine.records import SandboxRecord
 from branchbox.runtime.channel import AgentError
+
+log = logging.getLogger("branchbox.engine")
+
+SPACE = "space-"
+"""Podflare's spaces are snapshots so named: made at a persistent sandbox's idle timeout,
+used up by a resume."""
 
 
 class Snapshots:
@@ -83,15 +96,24 @@ class Snapshots:
                 "(BRANCHBOX_MAX_SNAPSHOTS); delete some first")
 
     async def start_from_snapshot(self, name: str, *, env: dict[str, str] | None = None,
-                                  timeout: float | None = None, internet: bool | None = None,
-                                  network: dict | None = None) -> Live:
+                                  timeout: float | None = None,
+                                  idle_timeout: float | None = None,
+                                  internet: bool | None = None, network: dict | None = None,
+                                  persistent: bool = False) -> Live:
         """A new sandbox forked from snapshot ``name``'s instant: a root of its family
-        with its sandbox's settings, ``env`` added to the REPL's environment, closing
-        ``timeout`` from now, with this network policy."""
+        with its sandbox's settings (``idle_timeout`` if given instead of its), ``env``
+        added to the REPL's environment, closing ``timeout`` from now, with this network
+        policy; ``persistent``: kept as a space at its idle timeout."""
+        check_env(env)
+        check_lifetimes(timeout=timeout, idle_timeout=idle_timeout)
         cp = self._snapshot(name)
         policy = await self.net.resolve(self.net.policy_of(internet, network))
         settings = {**cp.record.meta["snapshot"]["sandbox"], "network": policy,
                     "timeout": timeout}
+        if idle_timeout is not None:
+            settings["idle_timeout"] = idle_timeout
+        if persistent:
+            settings["persistent"] = True
         # Whose fork it is, for the fork path: the snapshot's settings and family.
         owner = Live(SandboxRecord(id=cp.sandbox_id, family=cp.record.family,
                                    instance=cp.body.key, image=cp.record.image,
@@ -117,6 +139,44 @@ class Snapshots:
         self.events.publish("create", sb.record, image=sb.record.image, snapshot=name)
         return sb
 
+    async def resume_space(self, space: str, *, timeout: float | None = None,
+                           idle_timeout: float | None = None, internet: bool | None = None,
+                           persistent: bool = False) -> Live:
+        """Podflare's resume: a sandbox started from the space, which it uses up."""
+        _check_space(space)
+        sb = await self.start_from_snapshot(space, timeout=timeout, idle_timeout=idle_timeout,
+                                            internet=internet, persistent=persistent)
+        with contextlib.suppress(errors.SandboxNotFound):  # another resume used it too
+            await self.delete_snapshot(space)
+        return sb
+
+    async def delete_space(self, space: str) -> None:
+        _check_space(space)
+        await self.delete_snapshot(space)
+
+    def _idle_out(self, sb: Live) -> None:
+        """``sb``'s idle timeout ran out: a persistent sandbox (Podflare's) that is not a
+        fork child is kept as a space first; every other one is closed."""
+        if sb.record.meta.get("persistent") and sb.record.parent_id is None:
+            self._track(asyncio.get_running_loop().create_task(self._freeze_into_space(sb)))
+        else:
+            self._expire(sb.id)
+
+    async def _freeze_into_space(self, sb: Live) -> None:
+        """Keep ``sb`` as a space (a snapshot named ``space-...``), then close it; the
+        ``frozen`` event carries the space's id (Podflare's ``sandbox.frozen`` webhook),
+        or why none was kept."""
+        space = f"{SPACE}{secrets.token_hex(8)}"
+        try:
+            await self.snapshot(sb.id, space)
+        except errors.EngineError as exc:
+            log.warning("sandbox %s was not frozen into a space at its idle timeout: %s",
+                        sb.id, exc)
+            self.events.publish("frozen", sb.record, space_id=None, error=str(exc))
+        else:
+            self.events.publish("frozen", sb.record, space_id=space)
+        await self._close_quietly(sb.id)
+
     async def delete_snapshot(self, name: str) -> None:
         await self._drop_snapshot(self._snapshot(name))
 
@@ -141,3 +201,9 @@ class Snapshots:
         for cp in list(self._snapshots.values()):
             with contextlib.suppress(errors.EngineError, OSError):
                 await self._drop_snapshot(cp)
+
+
+def _check_space(space: str) -> None:
+    """Only spaces are reached through Podflare's routes (other snapshots are not)."""
+    if not space.startswith(SPACE):
+        raise errors.SandboxNotFound(f"no space {space!r}")

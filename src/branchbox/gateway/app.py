@@ -49,6 +49,7 @@ from branchbox.gateway.routing import (
     Misaddressed,
     image_of_create,
     sandbox_named,
+    space_resumed,
 )
 from branchbox.server.e2b_access import addressed
 from branchbox.server.ports import METHODS
@@ -157,6 +158,9 @@ async def _http(request: Request) -> Response:
         return await fanout.listing(request, nodes, state.client, credentials)
     if method == "GET" and path == "/v1/events":
         return await fanout.events(request, nodes, state.streams, credentials)
+    if (space := space_resumed(method, path)) is not None:  # to where the space is
+        return await _to_one(request, nodes, state.client, credentials,
+                             lambda: nodes.pick(space))
     if method == "DELETE" and path.startswith(REMOVALS):
         return await _everywhere(request, nodes, state.client, credentials)
     # An image build, the API's schema, a route no node has: one node answers for all.

@@ -24,7 +24,7 @@ CREATES = {("POST", "/v1/sandboxes"), ("POST", "/sandboxes"), ("POST", "/v2/sand
 LISTINGS = {"/v1/sandboxes", "/sandboxes", "/v2/sandboxes", "/v1/images", "/v1/snapshots",
             "/snapshots"}
 """GET routes whose answer is every node's, merged."""
-REMOVALS = ("/v1/images/", "/v1/snapshots/", "/templates/")
+REMOVALS = ("/v1/images/", "/v1/snapshots/", "/v1/spaces/", "/templates/")
 """DELETE routes of a name only one node may have (an image, a snapshot, E2B's template
 for either): asked of every node."""
 
@@ -46,6 +46,15 @@ def sandbox_named(path: str, headers: Mapping[str, str]) -> str | None:
         raise Misaddressed(f"the request names sandbox {by_header} in its headers and "
                            f"{in_path} in its path")
     return by_header or in_path
+
+
+_RESUME = re.compile(r"/v1/spaces/([^/]+)/resume")
+
+
+def space_resumed(method: str, path: str) -> str | None:
+    """The space a Podflare resume names (a snapshot: it is on one node), or None."""
+    match = _RESUME.fullmatch(path) if method == "POST" else None
+    return match.group(1) if match else None
 
 
 def image_of_create(path: str, body: object) -> str | None:

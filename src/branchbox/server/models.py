@@ -117,8 +117,8 @@ class CreateSandbox(_Body):
     internet: bool | None = None
     egress: bool | None = None
     network: NetworkLists | None = None
-    # Accepted so Podflare's SDK can send them: rootfs_gb is taken as disk_mb (x 1024)
-    # when disk_mb is not given; and nothing is frozen into a "space" on idle.
+    # Podflare's: rootfs_gb is taken as disk_mb (x 1024) when disk_mb is not given;
+    # a persistent sandbox is kept as a space at its idle timeout (engine.snapshots).
     rootfs_gb: int | None = None
     persistent: bool | None = None
     # Start from this snapshot's instant (engine.snapshots): its image, cwd and limits;
@@ -161,6 +161,17 @@ class Fork(_Body):
 
 class CreateCheckpoint(_Body):
     name: str | None = None  # a label; the engine checks its length
+
+
+class ResumeSpace(_Body):
+    """``POST /v1/spaces/{id}/resume``, Podflare's names."""
+
+    timeout: Timeout | None = Field(None, validation_alias=AliasChoices("timeout",
+                                                                        "timeout_seconds"))
+    idle_timeout: Timeout | None = Field(None, validation_alias=AliasChoices(
+        "idle_timeout", "idle_timeout_seconds"))
+    persistent: bool | None = None
+    egress: bool | None = None
 
 
 class CreateSnapshot(_Body):

@@ -34,7 +34,8 @@ async def create_sandbox(body: CreateSandbox, engine: EngineDep) -> dict:
     sb = await engine.create(image=body.image, env=body.env, cwd=body.cwd,
                              timeout=body.timeout, memory_mb=body.memory_mb,
                              workspace=body.workspace, idle_timeout=body.idle_timeout,
-                             disk_mb=disk_mb, internet=internet, network=network)
+                             disk_mb=disk_mb, internet=internet, network=network,
+                             persistent=bool(body.persistent))
     return engine.info(sb.id)
 
 
@@ -42,16 +43,17 @@ async def _from_snapshot(body: CreateSandbox, engine: Engine, internet: bool | N
                          network: dict | None) -> Live:
     """A create from a snapshot: what the snapshot fixes cannot be asked for."""
     fixed = sorted(name for name in ("cwd", "memory_mb", "workspace", "disk_mb",
-                                     "idle_timeout", "rootfs_gb")
+                                     "rootfs_gb")
                    if getattr(body, name) is not None)
     if body.image != "default":
         fixed.insert(0, "image")
     if fixed:
         raise errors.InvalidRequest(
             f"a sandbox started from a snapshot has the snapshot's {', '.join(fixed)}: "
-            "give only env, timeout and the network policy with snapshot")
+            "give only env, timeouts, persistent and the network policy with snapshot")
     return await engine.start_from_snapshot(body.snapshot, env=body.env, timeout=body.timeout,
-                                            internet=internet, network=network)
+                                            idle_timeout=body.idle_timeout, internet=internet,
+                                            network=network, persistent=bool(body.persistent))
 
 
 @router.get("")
