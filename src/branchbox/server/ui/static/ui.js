@@ -174,6 +174,9 @@ function apply(ev) {
     case "commit":
       if (node) badge(node, "commit", `committed v${ev.version}`);
       break;
+    case "frozen": // a persistent sandbox kept as a space at its idle timeout
+      if (node) badge(node, "checkpoint", ev.space_id ? `frozen: ${ev.space_id}` : "not frozen");
+      break;
     case "exec": {
       const list = runs.get(ev.sandbox) || [];
       list.push(ev);
