@@ -7,6 +7,7 @@ import contextlib
 
 import pytest
 from served import served_with_key
+from waiting import eventually
 
 from branchbox import ReplGone, Sandbox
 from branchbox.engine.config import EngineConfig
@@ -68,3 +69,63 @@ def test_a_repl_killed_at_the_shared_bound_is_not_told_its_own_limit() -> None:
             sb.run_code("big = b'\\x03' * (700 << 20)")
         assert "memory they share" in str(caught.value)
         assert "memory_mb" not in str(caught.value)
+
+
+PAGE_TABLES = r"""
+import mmap, os, time
+for _ in range(4):
+    if os.fork() == 0:  # each 200 MiB of page tables over the zero page, next to no memory
+        m = mmap.mmap(-1, 256 << 30, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x4000)
+        for i, off in enumerate(range(0, 100 << 30, 2 << 20)):
+            m[off]
+            if i % 2048 == 2047:
+                time.sleep(0.02)
+        time.sleep(600)
+time.sleep(600)
+"""
+
+
+def test_kernel_memory_counts(tmp_path) -> None:
+    """Page tables are memory the sandboxes hold too: four processes of one family with
+    200 MiB of page tables each (and no memory of their own to speak of) are that
+    family's, stopped by the guard; the kernel would have killed the other family's
+    300 MiB REPL, the largest single process."""
+    with served_with_key("guard-kmem", KEY, BRANCHBOX_SANDBOXES_MEMORY_MB="1024") as daemon:
+        other = Sandbox(url=daemon.url, api_key=KEY)
+        attacker = Sandbox(url=daemon.url, api_key=KEY)
+        try:
+            other.run_code("big = b'\\x01' * (300 << 20)")
+            attacker.files.write("/root/pt.py", PAGE_TABLES.encode())
+            attacker.exec("python3 /root/pt.py", background=True)
+
+            def stopped() -> bool:
+                try:
+                    attacker.run_code("1")
+                except ReplGone as exc:
+                    assert "memory they share" in str(exc), exc
+                    return True
+                return False
+
+            assert eventually(stopped, within=30), "the family with the page tables went on"
+            assert other.run_code("len(big) >> 20").text == "300"
+        finally:
+            attacker.close()
+            other.close()
+
+
+def test_a_family_that_runs_nothing_gives_up_its_snapshot() -> None:
+    """A snapshot holds what its closed sandbox held; when its family holds the most and
+    runs nothing, the snapshot is dropped (its process is what the kernel would kill),
+    not a sandbox of a family holding less."""
+    with served_with_key("guard-snap", KEY, BRANCHBOX_SANDBOXES_MEMORY_MB="1024") as daemon:
+        with Sandbox(url=daemon.url, api_key=KEY) as source:
+            source.run_code("big = b'\\x01' * (600 << 20)")
+            source.snapshot("guard-held")
+        other = Sandbox(url=daemon.url, api_key=KEY)
+        try:
+            other.run_code(GROW.format(steps=26))  # 416 MiB, in steps
+            assert other.run_code("len(held)").text == "26"
+            assert Sandbox.list_snapshots(url=daemon.url, api_key=KEY) == []
+            assert "dropping" in daemon.log.read_text()
+        finally:
+            other.close()

@@ -150,20 +150,26 @@ def test_fifos_and_sockets_are_refused_and_reported_the_rest_commits(
 
 def test_symlinks_pointing_out_of_the_workspace_are_listed(harness, workspace: Path) -> None:
     """Symlinks are committed as they are (nothing follows them), and those whose target
-    is absolute or climbs past the workspace's root are listed for the host's user to
-    look at; links that stay inside are not."""
+    is absolute or climbs past the workspace's root, by itself or through another link,
+    are listed for the host's user to look at; links that stay inside are not."""
     with harness.sandbox(workspace=str(workspace), cwd=str(workspace)) as sb:
         done = sb.exec(
             "mkdir -p sub/deeper && ln -s /etc/shadow abs && ln -s ../../x sub/up && "
             "ln -s ../inside sub/stays && ln -s sub alias && "
-            "ln -s ../../../y sub/deeper/up3 && ln -s ./a/../../z dotted"
+            "ln -s ../../../y sub/deeper/up3 && ln -s ./a/../../z dotted && "
+            "mkdir a && ln -s .. a/p && ln -s p/.. a/x && ln -s p/../.. a/y && "
+            "ln -s loop1 a/loop2 && ln -s loop2 a/loop1"
         )
         assert done.exit_code == 0, done.stderr
         result = sb.commit()
     assert os.readlink(workspace / "abs") == "/etc/shadow"  # committed, not followed
     out = {entry["path"]: entry["target"] for entry in result["links_out"]}
     assert out == {"abs": "/etc/shadow", "sub/up": "../../x",
-                   "sub/deeper/up3": "../../../y", "dotted": "./a/../../z"}
+                   "sub/deeper/up3": "../../../y", "dotted": "./a/../../z",
+                   # through another link: a/p is the root, a/x its parent, a/y above
+                   "a/x": "p/..", "a/y": "p/../..",
+                   # a loop the kernel gives up on counts as leaving
+                   "a/loop1": "loop2", "a/loop2": "loop1"}
 
 
 def test_a_changed_file_keeps_its_host_owner_a_new_one_takes_the_directorys(

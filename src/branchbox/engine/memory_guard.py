@@ -9,16 +9,17 @@ killer then kills the process with the most memory under it, in whatever family.
 family of many mid-sized children pushed the host's sandboxes over, and another
 family's one large REPL died for it.
 
-The guard watches the group: once what its sandboxes hold that reclaim cannot free
-(anonymous and shared memory; page cache is the kernel's to drop) comes within a
-margin of the bound, it stops the sandbox holding the most in the family holding the
-most (its sandboxes, checkpoints and snapshots, and what its closed members left
-charged), as a run past its timeout is stopped (its processes killed, its files kept,
-its calls told why), and looks again once those processes are gone. It is woken by
-the kernel when the group's usage crosses the line (cgroup v1's thresholds) and looks
-every POLL seconds while the usage stays above it (page cache may keep it there); on
-cgroup v2, which has no thresholds, it polls. The kernel's killer stays the last
-resort, for memory taken faster than the guard looks.
+The guard watches the group: once what its sandboxes hold but page cache (anonymous
+and shared memory and the kernel's: page tables, sockets, slabs; the cache is the
+kernel's to drop) comes within a margin of the bound, it stops the sandbox holding the
+most in the family holding the most (its sandboxes, checkpoints and snapshots, and
+what its closed members left charged), as a run past its timeout is stopped (its
+processes killed, its files kept, its calls told why); a family none of whose
+sandboxes runs gives up its newest checkpoint or snapshot instead. It looks again once
+those processes are gone. It looks every POLL seconds.
+A margin further down, it marks the family holding the most as the kernel's first
+choice (``oom_score_adj``), so memory taken faster than the guard looks meets a killer
+that takes what the guard would.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from dataclasses import dataclass, field
 
 from branchbox.engine import errors
+from branchbox.engine.checkpoints import Checkpoint
 from branchbox.engine.live import Body, Live
 from branchbox.engine.run_guard import hard_stop, killed
 from branchbox.runtime.cgroups import ChargedRemains, GroupMemory
@@ -38,20 +39,29 @@ log = logging.getLogger("branchbox.engine")
 
 MARGIN = (64 << 20, 32)
 """The guard acts this far below the bound: max(64 MiB, 1/32 of it)."""
-POLL = 0.05
-"""Seconds between looks while the group's usage is above the line."""
-IDLE_LOOK = 5.0
-"""Seconds between looks while the kernel's threshold says nothing (a safety net)."""
+POLL = 0.02
+"""Seconds between looks at the group's usage (one counter read, ~5 µs). Not cgroup v1's
+usage thresholds: the kernel checks them only when it charges pages to an LRU list,
+and page tables or other kernel memory took a group from 800 MiB to its bound
+without one event."""
+MARK_EVERY = 0.5
+"""Seconds between rankings while the group is between the two lines (each reads every
+sandbox's memory files)."""
 MIB = 1 << 20
+OOM_FIRST = 1000
+"""The ``oom_score_adj`` of the marked family's processes: the kernel's killer takes them
+before any other (a sandbox cannot lower it: that takes CAP_SYS_RESOURCE on the host)."""
 
 
 @dataclass
 class _Family:
-    """What one family holds, and the sandbox of it that holds the most and may be stopped."""
+    """What one family holds, and what of it may be stopped: the sandbox running that
+    holds the most, and its checkpoints and snapshots."""
 
     sandboxes: list[Live] = field(default_factory=list)
-    others: list[Body] = field(default_factory=list)  # checkpoints' and snapshots' bodies
+    kept: list[Checkpoint] = field(default_factory=list)  # checkpoints and snapshots
     remains: list[ChargedRemains] = field(default_factory=list)
+    name: str = ""
     held: int = 0
     victim: Live | None = None
     victim_held: int = 0
@@ -59,21 +69,21 @@ class _Family:
     def weigh(self) -> None:
         """Read what each part holds (blocking: a few cgroup files each)."""
         for sb in self.sandboxes:
-            pinned = _pinned(sb.body)
-            self.held += pinned
+            held = _held(sb.body)
+            self.held += held
             channel = sb.body.channel
             if sb.body.stopped is None and channel is not None \
-                    and not channel.closed.is_set() and pinned > self.victim_held:
-                self.victim, self.victim_held = sb, pinned
-        self.held += sum(_pinned(body) for body in self.others)
+                    and not channel.closed.is_set() and held > self.victim_held:
+                self.victim, self.victim_held = sb, held
+        self.held += sum(_held(cp.body) for cp in self.kept)
         for remains in self.remains:
             with contextlib.suppress(OSError):
-                self.held += remains.pinned()
+                self.held += remains.held()
 
 
-def _pinned(body: Body) -> int:
+def _held(body: Body) -> int:
     try:
-        return body.cgroup.pinned_bytes()
+        return body.cgroup.held_bytes()
     except (OSError, ValueError):  # closed meanwhile
         return 0
 
@@ -86,7 +96,12 @@ class MemoryGuard:
         self.group = group
         self.bound = group.bound(limit if limit is not None else 1 << 62)
         least, part = MARGIN
-        self.line = self.bound - max(least, self.bound // part)
+        margin = max(least, self.bound // part)
+        self.line = self.bound - margin
+        self.mark_line = self.bound - 2 * margin  # from here, the kernel's choice is set
+        self._marked: str | None = None  # the family whose processes the kernel takes first
+        self._marked_bodies: list[Body] = []
+        self._ranked_at = float("-inf")
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -100,55 +115,78 @@ class MemoryGuard:
 
     async def _watch(self) -> None:
         loop = asyncio.get_running_loop()
-        woken = asyncio.Event()
-        alarm = None
-        try:
-            alarm = self.group.alarm(self.line)
-        except OSError as exc:
-            log.warning("no memory threshold on this daemon's group (%s): polling", exc)
-        if alarm is not None:
-            loop.add_reader(alarm, _take, alarm, woken)
         try:
             while True:
-                woken.clear()
                 try:
-                    near = self.group.usage() >= self.line
-                    over = near and self.group.pinned() >= self.line
+                    usage = self.group.usage()
+                    held = self.group.held() if usage >= self.mark_line else 0
                 except OSError:  # the group went (a stop): nothing to guard
                     return
-                if over:
-                    await self._stop_one()
-                elif near or alarm is None:
-                    await asyncio.sleep(POLL)
-                else:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(woken.wait(), IDLE_LOOK)
+                over = held >= self.line
+                if over or (held >= self.mark_line
+                            and loop.time() - self._ranked_at >= MARK_EVERY):
+                    ranked = await self._ranked()
+                    self._ranked_at = loop.time()
+                    self._mark(ranked[0] if ranked else None)
+                    if over and ranked:
+                        await self._stop_one(ranked[0])
+                        continue
+                elif held < self.mark_line and self._marked is not None:
+                    self._mark(None)
+                await asyncio.sleep(POLL)
         except Exception:  # noqa: BLE001 - logged; the kernel's killer still bounds them
             log.exception("the sandboxes' memory guard stopped")
-        finally:
-            if alarm is not None:
-                loop.remove_reader(alarm)
-                os.close(alarm)
 
-    async def _stop_one(self) -> None:
-        """Stop the sandbox holding the most of the family holding the most; then wait
-        for its processes to be gone (their memory with them)."""
+    async def _ranked(self) -> list[_Family]:
+        """The families that hold something the guard can stop, weighed, most first."""
         families = self._families()
         await asyncio.to_thread(lambda: [f.weigh() for f in families.values()])
-        ranked = sorted((f for f in families.values() if f.victim is not None),
-                        key=lambda f: f.held, reverse=True)
-        if not ranked:  # only checkpoints, snapshots and remains hold it: nothing runs
-            await asyncio.sleep(POLL)
+        return sorted((f for f in families.values() if f.victim is not None or f.kept),
+                      key=lambda f: f.held, reverse=True)
+
+    def _mark(self, family: _Family | None) -> None:
+        """Make ``family``'s processes the kernel's first choice (``oom_score_adj`` 1000;
+        those they fork inherit it) and the family marked before like any other again:
+        memory taken faster than the guard stops it then meets a killer that takes what
+        the guard would (by itself it takes the largest process of any family)."""
+        name = family.name if family is not None else None
+        if name == self._marked:
             return
-        family = ranked[0]
+        for old in (self._marked_bodies if self._marked is not None else []):
+            with contextlib.suppress(OSError):
+                old.cgroup.set_oom_adj(0)
+        self._marked, self._marked_bodies = name, []
+        if family is not None:
+            self._marked_bodies = [sb.body for sb in family.sandboxes]
+            self._marked_bodies += [cp.body for cp in family.kept]
+            for body in self._marked_bodies:
+                with contextlib.suppress(OSError):
+                    body.cgroup.set_oom_adj(OOM_FIRST)
+
+    async def _stop_one(self, family: _Family) -> None:
+        """Stop what holds the most of ``family``, the one holding the most: its largest
+        running sandbox, or when none runs, its newest checkpoint or snapshot (whose
+        process the kernel's killer would take: it maps what the family's closed
+        sandboxes held); then wait for those processes to be gone, their memory with
+        them."""
+        near = (f"the host's sandboxes together came within {(self.bound - self.line) // MIB:,}"
+                f" MiB of the {self.bound // MIB:,} MiB of memory they share, and")
+        holding = (f"of the family holding the most ({family.held // MIB:,} MiB, "
+                   f"{len(family.sandboxes)} sandbox(es) and {len(family.kept)} checkpoint(s) "
+                   "or snapshot(s))")
+        if family.victim is None:
+            cp = max(family.kept, key=lambda c: c.record.created)
+            why = (f"{near} nothing of the family holding the most runs: its newest "
+                   f"{'snapshot ' + repr(cp.snapshot) if cp.snapshot else 'checkpoint ' + cp.id}"
+                   f" was dropped {holding[:-1]}) so that every other family goes on")
+            log.warning("dropping %s: %s", cp.id, why)
+            self.engine.events.publish("dropped", cp.record, snapshot=cp.snapshot, reason=why)
+            await self.engine.drop_kept(cp)
+            return
         victim = family.victim
         await hard_stop(victim.body, (
-            f"the host's sandboxes together came within {(self.bound - self.line) // MIB:,} "
-            f"MiB of the {self.bound // MIB:,} MiB of memory they share, and sandbox "
-            f"{victim.id} held the most ({family.victim_held // MIB:,} MiB) of the family "
-            f"holding the most ({family.held // MIB:,} MiB, {len(family.sandboxes)} "
-            "sandbox(es)): it was stopped so that every other family goes on"),
-            errors.ReplGone)
+            f"{near} sandbox {victim.id} held the most ({family.victim_held // MIB:,} MiB) "
+            f"{holding}: it was stopped so that every other family goes on"), errors.ReplGone)
         await killed(victim.body)
 
     def _families(self) -> dict[str, _Family]:
@@ -156,19 +194,14 @@ class MemoryGuard:
         families: dict[str, _Family] = {}
         rooms = {}
         for sb in list(self.engine.live.values()):
-            families.setdefault(sb.record.family, _Family()).sandboxes.append(sb)
+            families.setdefault(sb.record.family, _Family(name=sb.record.family)
+                                ).sandboxes.append(sb)
             rooms[sb.record.family] = sb.family.room
         for cp in list(self.engine._checkpoints.values()):
-            families.setdefault(cp.record.family, _Family()).others.append(cp.body)
+            families.setdefault(cp.record.family, _Family(name=cp.record.family)
+                                ).kept.append(cp)
             if cp.family is not None:
                 rooms[cp.record.family] = cp.family.room
         for name, room in rooms.items():
             families[name].remains = [r for r in room.remains if isinstance(r, ChargedRemains)]
         return families
-
-
-def _take(alarm: int, woken: asyncio.Event) -> None:
-    """The kernel signalled the threshold: read the count (or the fd stays readable)."""
-    with contextlib.suppress(BlockingIOError):
-        os.eventfd_read(alarm)
-    woken.set()

@@ -196,6 +196,14 @@ class Snapshots:
             finally:
                 await self._leave_family(cp.family, cp.id, left)
 
+    async def drop_kept(self, cp: Checkpoint) -> None:
+        """End a checkpoint or a snapshot, whichever ``cp`` is (gone already: nothing)."""
+        if cp.snapshot:
+            await self._drop_snapshot(cp)
+        else:
+            with contextlib.suppress(errors.SandboxNotFound):
+                await self.delete_checkpoint(cp.sandbox_id, cp.id)
+
     async def _drop_snapshots(self) -> None:
         """End every snapshot (a daemon's stop without --keep)."""
         for cp in list(self._snapshots.values()):

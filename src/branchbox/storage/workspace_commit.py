@@ -74,9 +74,11 @@ the process SIGKILLs itself at that point (see ``FAULT_POINTS`` and
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -200,20 +202,57 @@ class CommitResult(NamedTuple):
     links_out: list[LinkOut] = []
 
 
-def leaves(path: str, target: str) -> bool:
-    """Whether a symlink at ``path`` (relative to the workspace) to ``target`` points out
-    of the workspace, read as the kernel would from there, without looking at the
-    files (a link to a link inside is judged by its own target when it is listed)."""
+def _links_out(host_fd: int, delta: Changes) -> list[LinkOut]:
+    """The symlinks the commit created that point out of the workspace, as committed
+    (through the tree they are in). After the commit point nothing may fail: a link the
+    host changed meanwhile is left out."""
+    found = []
+    for op in delta.creations:
+        if op.kind == "symlink":
+            with contextlib.suppress(OSError):
+                if leaves(host_fd, op.path, target := readlink_beneath(host_fd, op.path)):
+                    found.append(LinkOut(op.path, target))
+    return found
+
+
+LINK_HOPS = 40
+"""Symlinks one resolution follows before the kernel gives up (ELOOP), as it does."""
+
+
+def leaves(host_fd: int, path: str, target: str) -> bool:
+    """Whether a symlink at ``path`` (relative to the workspace, open as ``host_fd``) to
+    ``target`` points out of the workspace, resolved as the kernel would from there
+    through the committed tree: an absolute target, a ``..`` past the root, or a link
+    inside that does (links are read, never followed by the daemon; past LINK_HOPS of
+    them it counts as leaving). A link through another one (``a/x -> p/..`` with
+    ``a/p -> ..``) leaves if where it ends does."""
+    where = path.split("/")[:-1]  # the directories from the root to the link
+    pending = deque(target.split("/"))
+    hops = 0
     if target.startswith("/"):
         return True
-    depth = len(path.split("/")) - 1  # directories between the root and the link
-    for part in target.split("/"):
+    while pending:
+        part = pending.popleft()
+        if part in ("", "."):
+            continue
         if part == "..":
-            depth -= 1
-            if depth < 0:
+            if not where:
                 return True
-        elif part not in ("", "."):
-            depth += 1
+            where.pop()
+            continue
+        here = "/".join([*where, part])
+        try:
+            st = lstat_beneath(host_fd, here)
+        except OSError:  # a component that is a file or dangles: the kernel stops there
+            st = None
+        if st is None or not stat.S_ISLNK(st.st_mode):
+            where.append(part)
+            continue
+        hops += 1
+        link = readlink_beneath(host_fd, here)
+        if hops > LINK_HOPS or link.startswith("/"):
+            return True
+        pending.extendleft(reversed(link.split("/")))
     return False
 
 
@@ -437,9 +476,7 @@ def commit(
         refused = list(delta.refused)
         if not plan.steps:
             return CommitResult([], 0, plan.stripped, refused)
-        links_out = [LinkOut(op.path, target) for op in delta.creations
-                     if op.kind == "symlink"
-                     and leaves(op.path, target := readlink_beneath(fds[op.layer], op.path))]
         written = journal.run(host, host_fd, plan.steps, plan.staged, fds, staging_parent)
+        links_out = _links_out(host_fd, delta)
     changed = list(dict.fromkeys(step.path for step in plan.steps))
     return CommitResult(changed, written, plan.stripped, refused, links_out)
