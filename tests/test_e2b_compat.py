@@ -484,6 +484,10 @@ def test_snapshots_with_memory(daemon: ServedDaemon) -> None:
             b.files.read("data.txt"), b.commands.run("cat /home/user/data.txt").stdout,
             a.commands.run("hostname").stdout.strip() == a.sandbox_id]
     listed = [(s.snapshot_id, s.names) for s in Sandbox.list_snapshots(source).next_items()]
+    tagged = snap.snapshot_id + ":default"  # E2B writes ids with their tag
+    listed_tagged = len(Sandbox.list_snapshots(name=tagged).next_items())
+    with CodeSandbox.create(tagged) as t:
+        from_tagged = t.run_code("x").text
     named = b.create_snapshot("compat-memory")
     b.run_code("x.append('replaced')")
     again = b.create_snapshot("compat-memory")
@@ -508,12 +512,14 @@ def test_snapshots_with_memory(daemon: ServedDaemon) -> None:
     print(json.dumps({"snap": snap.snapshot_id, "seen": seen, "listed": listed,
                       "names": [named.names, again.names], "replaced": replaced,
                       "taken": taken, "deleted": deleted, "after": after, "still": still,
+                      "tagged": [listed_tagged, from_tagged],
                       "left": len(Sandbox.list().next_items())}))
     """)
     assert out["snap"].startswith("snapshot-")
     assert out["seen"] == ["([5, 'a'], 'snap', '1', '/tmp')", "([5], 'snap', None, '/tmp')",
                            "a's", "at the snapshot", "at the snapshot", True]
     assert out["listed"] == [[out["snap"], [out["snap"]]]]
+    assert out["tagged"] == [1, "[5]"]
     assert out["names"] == [["compat-memory"], ["compat-memory"]]
     assert out["replaced"] == "[5, 'replaced']"
     assert out["taken"] == ["409", "409"]

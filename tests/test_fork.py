@@ -110,7 +110,14 @@ def test_children_outlive_their_parent(harness) -> None:
 
 def test_a_plain_fork_warns_of_nothing(sandbox) -> None:
     """Nothing of the user's was lost (no thread, socket or shared memory): the agent's own
-    fds and glibc's read-only caches are not the user's to be warned about."""
+    fds (a background command's pipes and pidfd among them) and glibc's read-only caches
+    are not the user's to be warned about."""
+    (child,) = sandbox.fork(1)
+    try:
+        assert child.run_code("1").warnings == []
+    finally:
+        child.close()
+    sandbox.exec("sleep 100", background=True)
     (child,) = sandbox.fork(1)
     try:
         assert child.run_code("1").warnings == []

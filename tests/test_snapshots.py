@@ -147,3 +147,35 @@ def test_the_sdk_and_rest_faces(harness, make) -> None:
     assert Sandbox.list_snapshots(transport=transport()) == []
     with pytest.raises(SandboxNotFound):
         Sandbox.delete_snapshot("test-sdk-snap", transport=transport())
+
+
+def test_what_users_met(harness, make) -> None:
+    """Found by using them: a paused sandbox is snapshotted (and stays paused); a start
+    without a network policy keeps the snapshot's sandbox's; an empty name is refused;
+    a missing snapshot says how to list them; the snapshot's info shows what it maps;
+    a create of an image that is none is refused before the warm pool keeps a pool of
+    it."""
+    transport = harness.transport
+    sb = make(internet=True)
+    sb.run_code("import numpy; a = numpy.ones(40 << 17)")  # 40 MiB
+    sb.pause()
+    info = sb.snapshot("test-paused-snap")
+    assert sb.info()["state"] == "paused"
+    assert info["resources"]["mapped_bytes"] > 40 << 20
+    try:
+        with Sandbox(snapshot="test-paused-snap", transport=transport()) as started:
+            assert started.info()["network"]["internet"] is True
+            assert started.run_code("int(a.sum())").text == str(40 << 17)
+        with Sandbox(snapshot="test-paused-snap", internet=False,
+                     transport=transport()) as started:
+            assert started.info()["network"]["internet"] is False
+    finally:
+        Sandbox.delete_snapshot("test-paused-snap", transport=transport())
+    sb.resume()
+    with pytest.raises(InvalidRequest):
+        sb.snapshot("")
+    with pytest.raises(SandboxNotFound, match="list_snapshots"):
+        Sandbox(snapshot="test-never-made", transport=transport())
+    with pytest.raises(InvalidRequest, match="unknown image"):
+        Sandbox("test-no-such-image", transport=transport())
+    assert "test-no-such-image" not in harness.engine._warm

@@ -85,6 +85,7 @@ class _Batch:
         self.swap = swap
         self.cwd = cwd
         self.pids: list[int] = []
+        self.watched: set[int] = set()  # the agent's commands' pipes and pidfds: not the user's
         # The REPL's signal handlers, held from open_batch until the batch ends.
         self.signals: _HeldSignals | None = None
 
@@ -219,6 +220,7 @@ def open_batch(agent, received: list[int], inherit: dict) -> _Batch:
     gc.freeze()
     batch = _Batch(started, reopen, close, describe_listeners(close), threads, os.getcwd(),
                    shared, bool(inherit.get("swap")))
+    batch.watched = agent.watched_fds()  # closed too, but no user code opened them
     batch.signals = _HeldSignals()  # the caller ends the batch: end_batch()
     return batch
 
@@ -460,7 +462,7 @@ def become_child(agent, slot: _Slot, batch: _Batch) -> None:
                                 *batch.close, *(fd for fd, *_ in batch.reopen)})
         relistened = relisten(batch.listeners)
         made = {listener.fd for listener in relistened}
-        closed = [fd for fd in batch.close if fd not in made]
+        closed = [fd for fd in batch.close if fd not in made and fd not in batch.watched]
         zeroed = private_memory.make_private(batch.shared, batch.swap)
         STATE.warning = _child_warning(batch.warning, relistened, closed, batch.shared, zeroed)
         ctrl = socket.socket(fileno=slot.ctrl)

@@ -177,6 +177,10 @@ class Agent:
         its own, they are not the user's to be told about."""
         return {self.sock.fileno(), self._selector.fileno()}
 
+    def watched_fds(self) -> set[int]:
+        """The fds the agent's loop watches for its handlers (commands' pipes and pidfds)."""
+        return {key.fd for key in self._selector.get_map().values()} - self.own_fds()
+
     # -- what handlers and op modules use -------------------------------------------------
 
     def register(self, op: str, handler: Handler) -> None:

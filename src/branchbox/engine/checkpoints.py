@@ -26,11 +26,12 @@ import os
 import secrets
 import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from branchbox.agent.protocol import ChannelClosed
 from branchbox.engine import answers, errors
 from branchbox.engine.live import Body, FamilyHandle, Live
-from branchbox.engine.pausing import refuse_paused
+from branchbox.engine.pausing import PAUSED, refuse_paused
 from branchbox.engine.records import SandboxRecord
 from branchbox.engine.stopped import describe
 from branchbox.runtime import procfs
@@ -79,11 +80,18 @@ class Checkpoint:
                 "resources": resources}
 
     def snapshot_info(self) -> dict:
-        """What a client sees of a snapshot: its name, where it came from, what holds it."""
+        """What a client sees of a snapshot: its name, where it came from, what holds it
+        (``mapped_bytes``: the memory its process maps, the instant's; ``memory_bytes``
+        is only what is charged to its cgroup, next to nothing: the pages stay charged
+        to the sandbox that wrote them)."""
         info = self.info()
+        resources = dict(info["resources"])
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            statm = Path(f"/proc/{self.body.channel.host_pid}/statm").read_text()
+            resources["mapped_bytes"] = int(statm.split()[1]) * os.sysconf("SC_PAGE_SIZE")
         return {"name": self.snapshot, "sandbox_id": info["sandbox_id"],
                 "image": self.record.image, "created": info["created"],
-                "resources": info["resources"]}
+                "resources": resources}
 
 
 def snapshot_name(record: SandboxRecord) -> str | None:
@@ -132,8 +140,13 @@ class Checkpoints:
                 f"the family of {sandbox_id} holds {len(family)} checkpoints, its limit; "
                 "delete some first")
         await self._acquire(sb, self.config.busy_wait)
+        # A snapshot of a paused sandbox (E2B pauses one to snapshot it): its REPL forks
+        # the instant, so it is thawed for that while its lock keeps every call out.
+        paused = snapshot is not None and sb.record.state == PAUSED
         try:
-            channel = self._check_alive(sb)
+            if paused:
+                await asyncio.to_thread(sb.body.cgroup.freeze, None, False)
+            channel = self._check_alive(sb, paused_ok=paused)
             await self._check_room(sb, "checkpoint")
             try:
                 body = await self._within_deadline(self._checkpoint_body(sb, channel))
@@ -159,6 +172,9 @@ class Checkpoints:
             self.events.publish("checkpoint", sb.record, checkpoint=cp.id, name=name)
             return cp
         finally:
+            if paused and sb.record.state == PAUSED:  # not resumed meanwhile: frozen again
+                with contextlib.suppress(FreezeFailed, OSError):
+                    await asyncio.to_thread(sb.body.cgroup.freeze)
             self._unlock(sb)  # once the REPL is done with calls given up on
 
     async def _checkpoint_body(self, sb: Live, channel: AgentChannel) -> Body:

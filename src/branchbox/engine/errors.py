@@ -5,6 +5,7 @@
     EngineError (500)
     ├── InvalidRequest (400)
     ├── SandboxNotFound (404)
+    │   └── SnapshotNotFound (404) no snapshot or space of that name
     ├── Conflict (409)            busy REPL, stale merge/commit
     │   └── StaleBranch (409)
     ├── SandboxTimeout (408)      a run or command hit its timeout
@@ -44,6 +45,13 @@ class SandboxNotFound(EngineError):
 
     def __init__(self, message: str = "sandbox not found") -> None:
         super().__init__(message)
+
+
+class SnapshotNotFound(SandboxNotFound):
+    """No snapshot (or Podflare space) of that name: never made, deleted, used up, or
+    gone with a daemon's stop."""
+
+    kind = "SnapshotNotFound"
 
 
 class Conflict(EngineError):

@@ -85,6 +85,17 @@ class SavedImages:
             users.update(rec.id for rec in self.records.live() if rec.image == name)
         return sorted(users)
 
+    def check_image(self, image: str) -> None:
+        """InvalidRequest unless ``image`` can start a sandbox: built in, the host's, or
+        saved or built here. Checked before the warm pool keeps anything per image name
+        (a create of a name that is none made it start sandboxes of it, and keep a pool
+        and a count per name sent)."""
+        if image in KNOWN_IMAGES or image == HOST or self._saved(image) is not None:
+            return
+        raise errors.InvalidRequest(
+            f"unknown image {str(image)[:80]!r}; `branchbox image ls` (GET /v1/images) lists "
+            "the images, GET /v1/snapshots the snapshots (Sandbox(snapshot=...))")
+
     def check_image_name(self, name: object) -> None:
         """InvalidRequest unless ``name`` can name a new image; Conflict if it is taken."""
         if not isinstance(name, str) or not _NAME.match(name):

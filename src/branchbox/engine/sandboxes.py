@@ -414,6 +414,7 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
         """A new sandbox of ``image``. ``persistent`` (Podflare's): at its idle timeout
         it is kept as a space (engine.snapshots) before it closes."""
         check_env(env)
+        self.check_image(image)
         policy = await self.net.resolve(self.net.policy_of(internet, network))
         host = self._workspace_host(workspace) if workspace is not None else None
         image_env, workdir = self.image_defaults(image)  # a built image's ENV and WORKDIR
@@ -843,8 +844,9 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
                 f"call after {wait:.0f} s; retry later"
             ) from None
 
-    def _check_alive(self, sb: Live) -> AgentChannel:
-        refuse_paused(sb)
+    def _check_alive(self, sb: Live, *, paused_ok: bool = False) -> AgentChannel:
+        if not paused_ok:
+            refuse_paused(sb)
         if sb.record.state == "gone" or sb.body.channel.closed.is_set():
             raise errors.ReplGone(
                 f"sandbox {sb.id}: {sb.body.stopped}" if sb.body.stopped else

@@ -59,13 +59,13 @@ class Snapshots:
     def _snapshot(self, name: str) -> Checkpoint:
         cp = self._snapshots.get(name)
         if cp is None:
-            raise errors.SandboxNotFound(f"no snapshot {name!r}")
+            raise errors.SnapshotNotFound(f"no snapshot {name!r}")
         return cp
 
     async def snapshot(self, sandbox_id: str, name: str | None = None) -> Checkpoint:
         """This instant of the sandbox, kept as snapshot ``name`` (a new name if None)
         beyond the sandbox; an older snapshot of that name is replaced."""
-        name = name or f"snapshot-{secrets.token_hex(6)}"
+        name = f"snapshot-{secrets.token_hex(6)}" if name is None else name
         self._check_snapshot_name(name)
         sb = self.get(sandbox_id)
         if sb.record.meta.get("workspace"):
@@ -107,9 +107,10 @@ class Snapshots:
         check_env(env)
         check_lifetimes(timeout=timeout, idle_timeout=idle_timeout)
         cp = self._snapshot(name)
-        policy = await self.net.resolve(self.net.policy_of(internet, network))
-        settings = {**cp.record.meta["snapshot"]["sandbox"], "network": policy,
-                    "timeout": timeout}
+        settings = {**cp.record.meta["snapshot"]["sandbox"], "timeout": timeout}
+        if internet is not None or network is not None or not settings.get("network"):
+            settings["network"] = await self.net.resolve(self.net.policy_of(internet, network))
+        # else the snapshot's sandbox's policy, as a fork child has its parent's
         if idle_timeout is not None:
             settings["idle_timeout"] = idle_timeout
         if persistent:
@@ -120,7 +121,7 @@ class Snapshots:
                                    meta=settings), cp.body, cp.family)
         async with cp.lock:
             if self._snapshots.get(name) is not cp:
-                raise errors.SandboxNotFound(f"no snapshot {name!r}")  # deleted meanwhile
+                raise errors.SnapshotNotFound(f"no snapshot {name!r}")  # deleted meanwhile
             await self._check_room(owner, "start a sandbox from a snapshot", 1)
             ((sid, body),) = await self._copy_checkpoint(cp, owner, 1)
             sb = Live(SandboxRecord(id=sid, family=cp.record.family, instance=body.key,
@@ -146,7 +147,7 @@ class Snapshots:
         _check_space(space)
         sb = await self.start_from_snapshot(space, timeout=timeout, idle_timeout=idle_timeout,
                                             internet=internet, persistent=persistent)
-        with contextlib.suppress(errors.SandboxNotFound):  # another resume used it too
+        with contextlib.suppress(errors.SnapshotNotFound):  # another resume used it too
             await self.delete_snapshot(space)
         return sb
 
@@ -214,4 +215,4 @@ class Snapshots:
 def _check_space(space: str) -> None:
     """Only spaces are reached through Podflare's routes (other snapshots are not)."""
     if not space.startswith(SPACE):
-        raise errors.SandboxNotFound(f"no space {space!r}")
+        raise errors.SnapshotNotFound(f"no space {space!r}")

@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping
 
 from branchbox.server.e2b_access import addressed, is_sandbox_id
-from branchbox.server.e2b_control import DEFAULT_TEMPLATES
+from branchbox.server.e2b_control import DEFAULT_TEMPLATES, untagged
 
 _IN_PATH = re.compile(r"(?:^|/)(sbx_[0-9a-f]{32})(?:/|$)")
 
@@ -66,5 +66,6 @@ def image_of_create(path: str, body: object) -> str | None:
         image = body.get("snapshot") or body.get("image", body.get("template"))
     else:
         image = body.get("templateID")
+        image = untagged(image) if isinstance(image, str) else None
         image = None if image in DEFAULT_TEMPLATES else image
     return image if isinstance(image, str) and image else None

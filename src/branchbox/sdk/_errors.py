@@ -127,6 +127,7 @@ _TABLE: dict[str, tuple[type[SandboxError], int | None]] = {
     "MethodNotAllowed": (InvalidRequest, 405),
     "AuthError": (AuthError, 401),
     "SandboxNotFound": (SandboxNotFound, 404),
+    "SnapshotNotFound": (SandboxNotFound, None),
     "FileNotFound": (FileNotFound, None),
     "SandboxTimeout": (SandboxTimeout, 408),
     "Conflict": (Conflict, 409),
@@ -150,6 +151,8 @@ _HINTS = {"CommandsGone": "the REPL and files still work; close the sandbox for 
                           "runs commands",
           "MalformedAnswer": "code in the sandbox answered in its agent's place; close the "
                              "sandbox if that was not meant",
+          "SnapshotNotFound": "Sandbox.list_snapshots() lists the snapshots; one lasts "
+                              "until deleted (a space until resumed) or the server stops",
           "FamilyOverLimit": "free memory or delete files in the family's sandboxes, delete "
                              "checkpoints or close sandboxes, then retry"}
 

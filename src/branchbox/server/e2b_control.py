@@ -131,7 +131,14 @@ class ForkSandbox(E2BBody):
 
 
 def _image(template: str) -> str:
-    return "default" if template in DEFAULT_TEMPLATES else template
+    name = untagged(template)
+    return "default" if name in DEFAULT_TEMPLATES else name
+
+
+def untagged(name: str) -> str:
+    """A template or snapshot name without E2B's default tag (``name:default``, as E2B
+    writes ids): here each name has one version."""
+    return name.removesuffix(":default")
 
 
 def _created(request: Request, engine: Engine, sandbox_id: str) -> dict:
@@ -171,8 +178,8 @@ async def create(body: NewSandbox, request: Request, engine: EngineDep) -> dict:
         network = {k: v for k, v in (("allow_out", body.network.allow_out),
                                      ("deny_out", body.network.deny_out)) if v is not None}
     internet = True if body.allow_internet_access is None else body.allow_internet_access
-    if engine.is_snapshot(body.template_id):
-        sb = await engine.start_from_snapshot(body.template_id, env=body.env_vars or None,
+    if engine.is_snapshot(image):
+        sb = await engine.start_from_snapshot(image, env=body.env_vars or None,
                                               timeout=body.timeout or _DEFAULT_TIMEOUT,
                                               internet=internet, network=network)
     else:
@@ -361,8 +368,10 @@ async def list_snapshots(
     next_token: Annotated[str | None, Query(alias="nextToken", max_length=256)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = _PAGE,
 ) -> list[dict]:
-    """Images saved from a sandbox (of ``sandboxID``, named ``name``), oldest first, a
-    page of ``limit``; the next page's token in ``X-Next-Token``."""
+    """Snapshots with memory and images saved from a sandbox (of ``sandboxID``, named
+    ``name``), oldest first, a page of ``limit``; the next page's token in
+    ``X-Next-Token``."""
+    name = None if name is None else untagged(name)
     made = [(image["created"], image["name"], image["from_sandbox"])
             for image in engine.list_images()
             if image.get("from_sandbox") and image["kind"] == "saved"]
@@ -376,6 +385,7 @@ async def list_snapshots(
 
 @router.delete("/templates/{template_id}", response_class=Response)
 async def delete_snapshot(template_id: str, engine: EngineDep) -> Response:
+    template_id = untagged(template_id)
     """E2B's ``delete_snapshot`` (a template delete): end a snapshot, or remove a saved
     image; 404 if there is none of that name, 409 while a sandbox or another image
     stands on the image (sandboxes started from a snapshot do not need it)."""
