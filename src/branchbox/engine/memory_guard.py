@@ -100,7 +100,6 @@ class MemoryGuard:
         self.line = self.bound - margin
         self.mark_line = self.bound - 2 * margin  # from here, the kernel's choice is set
         self._marked: str | None = None  # the family whose processes the kernel takes first
-        self._marked_bodies: list[Body] = []
         self._ranked_at = float("-inf")
         self._task: asyncio.Task | None = None
 
@@ -152,16 +151,21 @@ class MemoryGuard:
         name = family.name if family is not None else None
         if name == self._marked:
             return
-        for old in (self._marked_bodies if self._marked is not None else []):
-            with contextlib.suppress(OSError):
-                old.cgroup.set_oom_adj(0)
-        self._marked, self._marked_bodies = name, []
-        if family is not None:
-            self._marked_bodies = [sb.body for sb in family.sandboxes]
-            self._marked_bodies += [cp.body for cp in family.kept]
-            for body in self._marked_bodies:
+        if self._marked is not None:  # its sandboxes as they are now (forks since inherit)
+            for body in self._bodies_of(self._marked):
+                with contextlib.suppress(OSError):
+                    body.cgroup.set_oom_adj(0)
+        self._marked = name
+        if name is not None:
+            for body in self._bodies_of(name):
                 with contextlib.suppress(OSError):
                     body.cgroup.set_oom_adj(OOM_FIRST)
+
+    def _bodies_of(self, family: str) -> list[Body]:
+        """The bodies of ``family``'s live sandboxes, checkpoints and snapshots."""
+        return [sb.body for sb in list(self.engine.live.values()) if sb.record.family == family
+                ] + [cp.body for cp in list(self.engine._checkpoints.values())
+                     if cp.record.family == family]
 
     async def _stop_one(self, family: _Family) -> None:
         """Stop what holds the most of ``family``, the one holding the most: its largest

@@ -879,7 +879,8 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
                 await events.aclose()
         except AgentError as exc:
             raise errors.AGENT_ERRORS.get(exc.kind, errors.EngineError)(exc.message) from None
-        except ChannelClosed:
+        except (ChannelClosed, BrokenPipeError, ConnectionResetError):  # the REPL's end went
+            # (a send to a REPL killed as the call began fails: a 500 before)
             if sb.body.stopped:
                 await killed(sb.body)
                 raise sb.body.stopped_as(f"sandbox {sandbox_id}: {sb.body.stopped}") from None

@@ -465,23 +465,18 @@ class AgentChannel:
         req.spilled_bytes = 0
 
     async def send(self, header: dict, payload: bytes = b"", fds: list[int] = ()) -> None:
-        """One frame to the agent; ChannelClosed if its end is gone (a REPL killed as a
-        call began gave a BrokenPipeError, a 500, instead of the REPL's end)."""
         data = protocol.encode(header, payload)
         async with self._send_lock:
-            try:
-                if fds:
-                    while True:
-                        try:
-                            sent = socket.send_fds(self.sock, [data], list(fds))
-                            break
-                        except BlockingIOError:
-                            await asyncio.sleep(0.0005)
-                    data = data[sent:]
-                if data:
-                    await self._loop.sock_sendall(self.sock, data)
-            except (BrokenPipeError, ConnectionResetError) as exc:
-                raise ChannelClosed(f"the agent's end is closed ({exc.strerror})") from None
+            if fds:
+                while True:
+                    try:
+                        sent = socket.send_fds(self.sock, [data], list(fds))
+                        break
+                    except BlockingIOError:
+                        await asyncio.sleep(0.0005)
+                data = data[sent:]
+            if data:
+                await self._loop.sock_sendall(self.sock, data)
 
     def open_request(self, op: str | None = None, args: dict | None = None
                      ) -> tuple[int, RequestQueue]:
