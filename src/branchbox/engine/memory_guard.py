@@ -81,6 +81,13 @@ class _Family:
                 self.held += remains.held()
 
 
+def _set_oom_adj(changes: list[tuple[list[Body], int]]) -> None:
+    for bodies, adj in changes:
+        for body in bodies:
+            with contextlib.suppress(OSError):
+                body.cgroup.set_oom_adj(adj)
+
+
 def _held(body: Body) -> int:
     try:
         return body.cgroup.held_bytes()
@@ -111,6 +118,7 @@ class MemoryGuard:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        await self._mark(None)  # sandboxes a --keep stop leaves are like any other again
 
     async def _watch(self) -> None:
         loop = asyncio.get_running_loop()
@@ -126,12 +134,12 @@ class MemoryGuard:
                             and loop.time() - self._ranked_at >= MARK_EVERY):
                     ranked = await self._ranked()
                     self._ranked_at = loop.time()
-                    self._mark(ranked[0] if ranked else None)
+                    await self._mark(ranked[0] if ranked else None)
                     if over and ranked:
                         await self._stop_one(ranked[0])
                         continue
                 elif held < self.mark_line and self._marked is not None:
-                    self._mark(None)
+                    await self._mark(None)
                 await asyncio.sleep(POLL)
         except Exception:  # noqa: BLE001 - logged; the kernel's killer still bounds them
             log.exception("the sandboxes' memory guard stopped")
@@ -143,7 +151,7 @@ class MemoryGuard:
         return sorted((f for f in families.values() if f.victim is not None or f.kept),
                       key=lambda f: f.held, reverse=True)
 
-    def _mark(self, family: _Family | None) -> None:
+    async def _mark(self, family: _Family | None) -> None:
         """Make ``family``'s processes the kernel's first choice (``oom_score_adj`` 1000;
         those they fork inherit it) and the family marked before like any other again:
         memory taken faster than the guard stops it then meets a killer that takes what
@@ -151,15 +159,11 @@ class MemoryGuard:
         name = family.name if family is not None else None
         if name == self._marked:
             return
-        if self._marked is not None:  # its sandboxes as they are now (forks since inherit)
-            for body in self._bodies_of(self._marked):
-                with contextlib.suppress(OSError):
-                    body.cgroup.set_oom_adj(0)
+        # Each family's sandboxes as they are now (fork children made since inherit it).
+        changes = [] if self._marked is None else [(self._bodies_of(self._marked), 0)]
+        changes += [] if name is None else [(self._bodies_of(name), OOM_FIRST)]
         self._marked = name
-        if name is not None:
-            for body in self._bodies_of(name):
-                with contextlib.suppress(OSError):
-                    body.cgroup.set_oom_adj(OOM_FIRST)
+        await asyncio.to_thread(_set_oom_adj, changes)
 
     def _bodies_of(self, family: str) -> list[Body]:
         """The bodies of ``family``'s live sandboxes, checkpoints and snapshots."""
