@@ -90,6 +90,8 @@ def test_names_limits_and_refusals(harness, make, workspace) -> None:
         portal.run(engine.snapshot(sb.id, "Not A Name"))
     with pytest.raises(errors.Conflict, match="reserved"):
         portal.run(engine.snapshot(sb.id, "default"))
+    with pytest.raises(errors.InvalidRequest, match="Podflare"):  # spaces are made, not named
+        portal.run(engine.snapshot(sb.id, "space-mine"))
     sb.save_image("test-snap-image")
     try:
         with pytest.raises(errors.Conflict, match="exists"):

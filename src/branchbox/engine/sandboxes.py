@@ -121,6 +121,7 @@ class Engine(WarmPool, Templates, Branching, Workspaces, SavedImages, Pausing, C
         self._lineage: dict[str, tuple[str, int]] = {}
         self._checkpoints: dict[str, Checkpoint] = {}  # by id; see engine.checkpoints
         self._snapshots: dict[str, Checkpoint] = {}  # by name, also in _checkpoints
+        self._resuming: set[str] = set()  # Podflare spaces a resume is using up
         self.memory_guard: MemoryGuard | None = None
         self._stopped: dict[str, Stopped] = {}  # files kept, no processes (engine.stopped)
         self._generations = itertools.count(1)

@@ -65,7 +65,14 @@ class Snapshots:
     async def snapshot(self, sandbox_id: str, name: str | None = None) -> Checkpoint:
         """This instant of the sandbox, kept as snapshot ``name`` (a new name if None)
         beyond the sandbox; an older snapshot of that name is replaced."""
-        name = f"snapshot-{secrets.token_hex(6)}" if name is None else name
+        if name is not None and name.startswith(SPACE):
+            raise errors.InvalidRequest(f"names starting {SPACE!r} are Podflare's spaces, "
+                                        "made at a persistent sandbox's idle timeout")
+        return await self._keep(sandbox_id,
+                                f"snapshot-{secrets.token_hex(6)}" if name is None else name)
+
+    async def _keep(self, sandbox_id: str, name: str) -> Checkpoint:
+        """The sandbox's instant as snapshot (or space) ``name``, replacing one so named."""
         self._check_snapshot_name(name)
         sb = self.get(sandbox_id)
         if sb.record.meta.get("workspace"):
@@ -145,10 +152,17 @@ class Snapshots:
                            persistent: bool = False) -> Live:
         """Podflare's resume: a sandbox started from the space, which it uses up."""
         _check_space(space)
-        sb = await self.start_from_snapshot(space, timeout=timeout, idle_timeout=idle_timeout,
-                                            internet=internet, persistent=persistent)
-        with contextlib.suppress(errors.SnapshotNotFound):  # another resume used it too
-            await self.delete_snapshot(space)
+        if space in self._resuming:  # a space is used up once: the first resume has it
+            raise errors.SnapshotNotFound(f"space {space!r} is being resumed")
+        self._resuming.add(space)
+        try:
+            sb = await self.start_from_snapshot(space, timeout=timeout,
+                                                idle_timeout=idle_timeout, internet=internet,
+                                                persistent=persistent)
+            with contextlib.suppress(errors.SnapshotNotFound):  # deleted meanwhile
+                await self.delete_snapshot(space)
+        finally:
+            self._resuming.discard(space)
         return sb
 
     async def delete_space(self, space: str) -> None:
@@ -169,7 +183,7 @@ class Snapshots:
         or why none was kept."""
         space = f"{SPACE}{secrets.token_hex(8)}"
         try:
-            await self.snapshot(sb.id, space)
+            await self._keep(sb.id, space)
         except errors.EngineError as exc:
             log.warning("sandbox %s was not frozen into a space at its idle timeout: %s",
                         sb.id, exc)
