@@ -244,6 +244,16 @@ def _no_cgroups_ready(harness) -> None:
     ready.ready.clear()
 
 
+def assert_volumes_back(harness, volumes: set) -> None:
+    """The store holds the volumes it held before a failed fork again (its children's and
+    its frozen layer deleted, in the background): within 10 s, or says which differ."""
+    root = harness.engine.layers.root
+    if not eventually(lambda: set(root.iterdir()) == volumes, within=10):
+        now = set(root.iterdir())
+        pytest.fail(f"volumes left: {sorted(p.name for p in now - volumes)}; gone: "
+                    f"{sorted(p.name for p in volumes - now)}")
+
+
 @pytest.mark.parametrize("failing", ["cgroup", "root"])
 def test_failed_child_creation_cleans_up(sandbox, harness, monkeypatch, failing) -> None:
     """Making a child fails: its cgroup (before its slot is sent), or its body once the
@@ -271,7 +281,7 @@ def test_failed_child_creation_cleans_up(sandbox, harness, monkeypatch, failing)
         sandbox.fork(4)
     monkeypatch.undo()
     assert set(harness.engine.live) == before
-    assert eventually(lambda: set(harness.engine.layers.root.iterdir()) == volumes, within=10)
+    assert_volumes_back(harness, volumes)
     assert eventually(lambda: len(repl.leaf_pids("repl")) == 1, within=10)
     assert sandbox.run_code("'parent fine'").text == "'parent fine'"
 
@@ -298,7 +308,7 @@ def test_a_child_failing_its_set_up_fails_the_fork_and_leaves_nothing(sandbox, h
     with pytest.raises(SandboxError, match="boom"):
         sandbox.fork(3)
     assert set(harness.engine.live) == before
-    assert eventually(lambda: set(harness.engine.layers.root.iterdir()) == volumes, within=10)
+    assert_volumes_back(harness, volumes)
     assert sandbox.run_code("'parent fine'").text == "'parent fine'"
 
 
