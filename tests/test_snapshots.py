@@ -144,6 +144,10 @@ def test_the_sdk_and_rest_faces(harness, make) -> None:
             Sandbox(snapshot="test-sdk-snap", transport=transport(), **fixed)
     with pytest.raises(SandboxNotFound):
         Sandbox(snapshot="no-such-snap", transport=transport())
+    for name in (f"../sandboxes/{sb.id}", ".."):  # one path segment: never another route
+        with pytest.raises((SandboxNotFound, InvalidRequest)):
+            Sandbox.delete_snapshot(name, transport=transport())
+    assert sb.run_code("1").text == "1"
     for s in listed:
         Sandbox.delete_snapshot(s["name"], transport=transport())
     assert Sandbox.list_snapshots(transport=transport()) == []

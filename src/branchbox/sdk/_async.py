@@ -13,13 +13,14 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
+from urllib.parse import quote
 
 import httpx
 
 from branchbox.sdk import _build
 from branchbox.sdk._checkpoints import AsyncCheckpoint
 from branchbox.sdk._deadline import within
-from branchbox.sdk._errors import SandboxError, SandboxNotFound
+from branchbox.sdk._errors import InvalidRequest, SandboxError, SandboxNotFound
 from branchbox.sdk._files import AsyncFiles
 from branchbox.sdk._http import Api
 from branchbox.sdk._results import (
@@ -307,7 +308,7 @@ class AsyncSandbox:
     async def remove_image(name: str, *, url: str | None = None, api_key: str | None = None,
                            transport: httpx.AsyncBaseTransport | None = None) -> None:
         """Delete saved image ``name`` (``Conflict`` while a sandbox or image uses it)."""
-        await _server_call(url, api_key, transport, "DELETE", f"/v1/images/{name}")
+        await _server_call(url, api_key, transport, "DELETE", f"/v1/images/{_segment(name)}")
 
     async def snapshot(self, name: str | None = None) -> dict:
         """This instant of the sandbox (memory, files, env, cwd), kept after the sandbox
@@ -328,7 +329,8 @@ class AsyncSandbox:
     async def delete_snapshot(name: str, *, url: str | None = None, api_key: str | None = None,
                               transport: httpx.AsyncBaseTransport | None = None) -> None:
         """End snapshot ``name`` (the sandboxes started from it go on)."""
-        await _server_call(url, api_key, transport, "DELETE", f"/v1/snapshots/{name}")
+        await _server_call(url, api_key, transport, "DELETE",
+                           f"/v1/snapshots/{_segment(name)}")
 
     async def info(self) -> dict:
         """State, parent, children, created time, address, resource use."""
@@ -398,6 +400,15 @@ async def _server_call(url: str | None, api_key: str | None,
         return await api.call(method, path)
     finally:
         await api.release()
+
+
+def _segment(name: str) -> str:
+    """``name`` as one path segment, never another route (httpx resolves dot segments:
+    ``../sandboxes/<id>`` would have closed a sandbox)."""
+    if name in (".", ".."):
+        raise InvalidRequest(f"{name!r} names nothing", hint="images and snapshots are "
+                             "named with a-z 0-9 . _ -, starting with a letter or digit")
+    return quote(name, safe="")
 
 
 def _given(**fields: Any) -> dict[str, Any]:
