@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -71,8 +72,10 @@ class VolumeRemains:
         deleted volume, tens of seconds later (a fork-merge loop left one per round)."""
         try:
             charged = btrfs.charged_bytes(self.group)
-        except FileNotFoundError:  # the kernel dropped the group: nothing is charged
-            return 0
+        except OSError as exc:  # the kernel dropped the group: nothing is charged
+            if exc.errno in (errno.ENOENT, errno.ENODEV):  # ENODEV: while it was read
+                return 0
+            raise
         return charged if charged > LINGERING else 0
 
     def remove(self) -> None:
